@@ -1,0 +1,73 @@
+"""learner entrypoint: ``python -m kiln.learner.main``.
+
+Starts the run (its database row), trains the tokenizer and initial policy and hands
+version 0 to the weights service, then reacts: every published version lets the
+controller dispatch more groups, every scored trajectory goes to the trainer, and the
+run ends when version ``algorithm.steps`` is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kiln.shared import contracts as c
+from kiln.shared.db import Database
+from kiln.shared.service import ServiceContext, service_main, wait_or_stop
+from kiln.shared.tasks import load_suite
+
+from kiln.learner.config import LearnerConfig
+from kiln.learner.controller import Controller
+from kiln.learner.policy import Policy
+from kiln.learner.trainer import Trainer
+
+log = logging.getLogger("kiln.learner")
+
+
+async def serve(ctx: ServiceContext) -> None:
+    cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
+    if not cfg.run.id:
+        raise ValueError("run.id is empty: the learner drives one run (set KILN_RUN__ID or start with `kiln run`)")
+    db = Database(cfg.database.url, cfg.database.echo)
+    try:
+        suite = load_suite(cfg.tasks.suite)
+        controller = Controller(ctx, db, suite)
+        await controller.start_run()
+        policy = await asyncio.to_thread(Policy, cfg, suite)
+        log.info("initial policy: %d parameters, vocabulary %d", policy.model.num_parameters(), policy.tokenizer.get_vocab_size())
+        trainer = Trainer(ctx, controller, policy)
+        await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, controller.on_published)
+        await trainer.publish_initial()
+
+        done = asyncio.Event()
+
+        async def until_done() -> None:
+            stop_wait = asyncio.create_task(ctx.stop.wait())
+            fin_wait = asyncio.create_task(controller.finished.wait())
+            await asyncio.wait({stop_wait, fin_wait}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            fin_wait.cancel()
+            done.set()
+
+        async def deadlines() -> None:
+            while not await wait_or_stop(done, cfg.learner.deadline_check_s):
+                await trainer.expire()
+
+        watcher = asyncio.create_task(until_done())
+        expiry = asyncio.create_task(deadlines())
+        await ctx.bus.consume(c.LEARNER, c.ScoredTrajectory, trainer.on_scored, stop=done)
+        await watcher
+        await expiry
+        await trainer.release()
+        if not controller.finished.is_set():
+            log.info("stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps)
+    finally:
+        await db.close()
+
+
+def main() -> None:
+    service_main("learner", LearnerConfig, serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The trained policy: initialisation, one GRPO optimizer step, checkpoint staging.
+
+A fresh run trains the byte-level BPE tokenizer on the task suite (offline, under a
+second), initialises the MoE from ``run.seed`` and stages it as version 0. Every
+``train_step`` recomputes the current logprobs of exactly the tokens rollout generated
+and applies the clipped, importance-weighted loss of ``grpo.py`` plus the MoE
+load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.shared import chat
+from kiln.shared.contracts import Trajectory
+from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
+from kiln.shared.model.tokenizer import special_id, train_tokenizer
+from kiln.shared.tasks import TaskSuite
+from kiln.shared.tools import tool_schemas
+
+from kiln.learner.config import LearnerConfig
+from kiln.learner.grpo import ppo_clip_loss
+
+
+def tokenizer_corpus(suite: TaskSuite, repeats: int) -> list[str]:
+    texts = [chat.render_system(chat.SYSTEM_PROMPT, tool_schemas())]
+    for t in suite.tasks:
+        texts.append(chat.render_user(t.problem_statement) + chat.assistant_prefix())
+        texts += list(t.files.values()) + list((t.solution or {}).values())
+        for path, text in t.files.items():
+            texts.append(json.dumps({"name": "read_file", "arguments": {"path": path}}))
+            texts.append(chat.render_tool_results([text]))
+        texts.append(json.dumps({"name": "run_terminal_cmd", "arguments": {"command": t.test_command}}))
+    return texts * repeats
+
+
+@dataclass
+class StepStats:
+    loss: float
+    aux_loss: float
+    tokens: int
+    ratio_mean: float
+    clip_frac: float
+    seconds: float
+
+
+class Policy:
+    def __init__(self, cfg: LearnerConfig, suite: TaskSuite):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.learner.torch_threads)
+        torch.manual_seed(cfg.run.seed)
+        self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats), cfg.model.vocab_size)
+        m = cfg.model
+        self.model = MoEForCausalLM(
+            MoEConfig(
+                vocab_size=self.tokenizer.get_vocab_size(),
+                hidden_size=m.hidden_size,
+                num_hidden_layers=m.num_hidden_layers,
+                num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_key_value_heads,
+                head_dim=m.head_dim,
+                num_experts=m.num_experts,
+                num_experts_per_tok=m.num_experts_per_tok,
+                moe_intermediate_size=m.moe_intermediate_size,
+                max_position_embeddings=m.max_position_embeddings,
+                rope_theta=m.rope_theta,
+                router_aux_loss_coef=m.router_aux_loss_coef,
+                eos_token_id=special_id(self.tokenizer, chat.EOS),
+            )
+        ).init_weights(cfg.run.seed)
+        a = cfg.algorithm
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+
+    def stage(self, folder: Path) -> Path:
+        return save_checkpoint(self.model, folder, self.tokenizer)
+
+    def train_step(self, batch: list[tuple[Trajectory, float]]) -> StepStats:
+        t0 = time.monotonic()
+        a = self.cfg.algorithm
+        n = max(len(t.token_ids) for t, _ in batch)
+        pad = special_id(self.tokenizer, chat.PAD)
+        ids = torch.full((len(batch), n), pad, dtype=torch.long)
+        attn = torch.zeros((len(batch), n), dtype=torch.long)
+        mask = torch.zeros((len(batch), n))
+        behaviour = torch.zeros((len(batch), n))
+        adv = torch.zeros((len(batch), 1))
+        for i, (t, advantage) in enumerate(batch):
+            k = len(t.token_ids)
+            ids[i, :k] = torch.tensor(t.token_ids)
+            attn[i, :k] = 1
+            mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float)
+            behaviour[i, :k] = torch.tensor(t.logprobs)
+            adv[i, 0] = advantage
+        self.model.train()
+        logp, routers = sequence_logprobs(self.model, ids, attn, a.temperature)
+        pg, stats = ppo_clip_loss(logp, behaviour, adv, mask, a.clip_eps)
+        aux = self.model.load_balancing_loss(routers, attn)
+        loss = pg + self.model.config.router_aux_loss_coef * aux
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm)
+        self.optimizer.step()
+        return StepStats(
+            loss=float(pg),
+            aux_loss=float(aux),
+            tokens=int(stats["tokens"]),
+            ratio_mean=stats["ratio_mean"],
+            clip_frac=stats["clip_frac"],
+            seconds=time.monotonic() - t0,
+        )

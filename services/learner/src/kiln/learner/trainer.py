@@ -1,0 +1,182 @@
+"""The learner loop: group scored trajectories, train when a batch is full, publish.
+
+Invariants:
+- a scored trajectory's message stays unacked (held, heartbeated) until the step that
+  trained it has handed its checkpoint to the weights stream, or until its group was
+  dropped; a learner that dies before that gets every such message redelivered;
+- a group enters a batch only when all its samples are scored; ``infra_error``
+  trajectories are excluded from its advantage statistics, and a group with no valid
+  sample, or whose oldest token is older than ``max_staleness`` versions, is dropped
+  with that reason instead of trained;
+- the version a step produces is ``step + 1``; the trajectories it trained are stamped
+  with it in the database (``trained_version``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from opentelemetry import trace
+
+from kiln.shared import contracts as c
+from kiln.shared.bus import Delivery
+from kiln.shared.service import ServiceContext
+from kiln.shared.telemetry import extract_context
+
+from kiln.learner.config import LearnerConfig
+from kiln.learner.controller import Controller
+from kiln.learner.grpo import group_advantages
+from kiln.learner.policy import Policy
+
+log = logging.getLogger("kiln.learner.trainer")
+
+
+class Trainer:
+    def __init__(self, ctx: ServiceContext, controller: Controller, policy: Policy):
+        self.ctx = ctx
+        self.cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
+        self.controller = controller
+        self.policy = policy
+        self.step = 0
+        self.pending: dict[str, dict[str, tuple[c.ScoredTrajectory, Delivery]]] = {}
+        self.ready: list[str] = []
+        self.started = time.monotonic()
+        self.idle_since = time.monotonic()
+        self._lock = asyncio.Lock()  # scored messages, deadline expiry and steps never interleave
+        run_dir = Path(self.cfg.run.dir) if self.cfg.run.dir else Path.cwd()
+        self.staging = Path(self.cfg.learner.staging_dir) if self.cfg.learner.staging_dir else run_dir / "staging"
+
+    async def publish_initial(self) -> None:
+        await self._hand_over(0, parent=None)
+
+    async def _hand_over(self, version: int, parent: int | None) -> None:
+        folder = self.staging / self.cfg.run.id / f"v{version:06d}"
+        shutil.rmtree(folder, ignore_errors=True)
+        await asyncio.to_thread(self.policy.stage, folder)
+        await self.ctx.bus.publish(
+            c.WEIGHTS_CHECKPOINT,
+            c.PolicyCheckpoint(run_id=self.cfg.run.id, version=version, step=self.step, parent_version=parent, path=str(folder)),
+            msg_id=f"{self.cfg.run.id}-ckpt-v{version}",
+        )
+
+    async def on_scored(self, scored: c.ScoredTrajectory, delivery: Delivery) -> None:
+        async with self._lock:
+            await self._add(scored, delivery)
+
+    async def _add(self, scored: c.ScoredTrajectory, delivery: Delivery) -> None:
+        t = scored.trajectory
+        if t.run_id != self.cfg.run.id or not self.controller.is_inflight(t.group_id):
+            # Another run's, or a late sample of a group that already ended (dropped).
+            log.info("ignoring %s: its group is not in flight", t.trajectory_id)
+            return
+        delivery.hold()
+        group = self.pending.setdefault(t.group_id, {})
+        old = group.get(t.trajectory_id)
+        group[t.trajectory_id] = (scored, delivery)
+        if old is not None:  # a redelivery of a message we hold: keep the newest handle
+            await old[1].ack()
+        if len(group) < self.controller.inflight[t.group_id].n_samples or t.group_id in self.ready:
+            return
+        await self._group_complete(t.group_id)
+        if len(self.ready) >= self.cfg.algorithm.groups_per_step:
+            await self._train()
+
+    async def _group_complete(self, gid: str) -> None:
+        samples = [s for s, _ in self.pending[gid].values()]
+        valid = [s for s in samples if not s.infra_error]
+        if not valid:
+            await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
+            return
+        versions = [v for s in valid for v in s.trajectory.generated_versions()]
+        lag = self.controller.published_version - min(versions) if versions else 0
+        if lag > self.cfg.algorithm.max_staleness:
+            await self._drop(gid, "stale", f"oldest token is {lag} versions old (max {self.cfg.algorithm.max_staleness})")
+            return
+        self.ready.append(gid)
+
+    async def _drop(self, gid: str, reason: str, detail: str) -> None:
+        held = self.pending.pop(gid, {})
+        await self.controller.drop(gid, reason, detail)
+        for _, d in held.values():
+            await d.ack()
+
+    async def expire(self) -> None:
+        async with self._lock:
+            for gid in await self.controller.expired(set(self.ready)):
+                await self._drop(gid, "deadline", "not fully scored before its deadline")
+
+    async def _train(self) -> None:
+        a = self.cfg.algorithm
+        groups, self.ready = self.ready[: a.groups_per_step], self.ready[a.groups_per_step :]
+        waited = time.monotonic() - self.idle_since
+        batch: list[tuple[c.Trajectory, float]] = []
+        used: list[tuple[c.ScoredTrajectory, Delivery]] = []
+        rewards, passes, infra = [], [], 0
+        for gid in groups:
+            entries = list(self.pending.pop(gid).values())
+            used += entries
+            valid = [s for s, _ in entries if not s.infra_error]
+            infra += len(entries) - len(valid)
+            for s, adv in zip(valid, group_advantages([s.reward for s in valid], a.std_normalize)):
+                batch.append((s.trajectory, adv))
+                rewards.append(s.reward)
+                passes.append(s.passed)
+        version = self.step + 1
+        staleness = [version - 1 - min(t.generated_versions() or [version - 1]) for t, _ in batch]
+        with self.ctx.tracer.start_as_current_span(
+            "learner.train_step",
+            links=[trace.Link(trace.get_current_span(extract_context(d.headers)).get_span_context()) for _, d in used],
+            attributes={"step": self.step, "policy.version": version, "trajectories": len(batch)},
+        ):
+            stats = await asyncio.to_thread(self.policy.train_step, batch)
+            self.step += 1
+            await self._hand_over(version, parent=version - 1)
+        now_ns = time.time_ns()
+        for s, d in used:  # the step, as seen from each trajectory's own trace
+            self.ctx.tracer.start_span(
+                "learner.trained",
+                context=extract_context(d.headers),
+                attributes={"step": self.step - 1, "policy.version": version},
+                start_time=now_ns,
+            ).end(end_time=now_ns)
+        await self.controller.mark_trained(groups, [s.trajectory.trajectory_id for s, _ in used], version)
+        for _, d in used:
+            await d.ack()
+        dropped = self.controller.dropped_since_step
+        metrics = c.StepMetrics(
+            run_id=self.cfg.run.id,
+            step=self.step - 1,
+            version=version,
+            groups=len(groups),
+            trajectories=len(used),
+            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+            pass_rate=sum(passes) / len(passes) if passes else 0.0,
+            loss=stats.loss,
+            infra_errors=infra,
+            dropped_groups=dropped,
+            mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
+            max_staleness=max(staleness, default=0),
+            step_seconds=stats.seconds,
+            wait_seconds=waited,
+            tokens=stats.tokens,
+            elapsed_seconds=time.monotonic() - self.started,
+        )
+        await self.ctx.bus.publish(c.STEP_METRICS, metrics)
+        self.controller.step_recorded(version)
+        log.info(
+            "step %d -> version %d: %d trajectories, reward %.3f, pass %.2f, loss %.4f (%.2fs, waited %.2fs)",
+            metrics.step, version, metrics.trajectories, metrics.mean_reward, metrics.pass_rate, stats.loss,
+            stats.seconds, waited,
+        )
+        self.idle_since = time.monotonic()
+
+    async def release(self) -> None:
+        """At the end of the run: hand back every message still held (their groups ended)."""
+        for gid, held in list(self.pending.items()):
+            for _, d in held.values():
+                await d.ack()
+        self.pending.clear()

@@ -1,0 +1,36 @@
+"""reward entrypoint: ``python -m kiln.reward.main``.
+
+Pulls finished trajectories from the shared ``reward-workers`` consumer (any number of
+replicas), scores each by running its task's tests in its sandbox, records the score
+and publishes a ``ScoredTrajectory`` for the learner.
+"""
+
+from __future__ import annotations
+
+from kiln.shared import contracts as c
+from kiln.shared.db import Database
+from kiln.shared.service import ServiceContext, service_main
+from kiln.shared.tasks import load_suite
+
+from kiln.reward.config import RewardConfig
+from kiln.reward.service import Scorer
+
+
+async def serve(ctx: ServiceContext) -> None:
+    cfg: RewardConfig = ctx.config  # type: ignore[assignment]
+    db = Database(cfg.database.url, cfg.database.echo)
+    try:
+        scorer = Scorer(ctx, db, load_suite(cfg.tasks.suite))
+        await ctx.bus.consume(
+            c.REWARD_WORKERS, c.Trajectory, scorer.on_trajectory, stop=ctx.stop, concurrency=cfg.reward.concurrency
+        )
+    finally:
+        await db.close()
+
+
+def main() -> None:
+    service_main("reward", RewardConfig, serve)
+
+
+if __name__ == "__main__":
+    main()

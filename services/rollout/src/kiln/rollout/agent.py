@@ -1,0 +1,188 @@
+"""The agent loop: one episode of one task in one sandbox.
+
+generate -> parse tool calls -> env-pool runs them as one batch -> append the
+observations -> generate ... until the model answers without a tool call, or a limit
+(turns, tokens, deadline) ends the episode.
+
+Invariants of the trajectory it returns:
+- ``token_ids`` is exactly what the model conditioned on, in order: generated tokens
+  are appended as generated (never re-tokenized), prompt and observation tokens as
+  encoded; ``loss_mask`` is 1 only on generated tokens, which alone carry a logprob
+  and a policy version;
+- a malformed tool call (bad JSON, unknown tool, bad arguments) is answered with an
+  ``{"error": ...}`` observation and counted, never raised;
+- a failure of the infrastructure (env-pool unreachable, sandbox lost) ends the
+  episode with ``status = infra_error`` and the cause, so reward and the learner can
+  mask it instead of scoring it 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from tokenizers import Tokenizer
+
+from kiln.shared import chat
+from kiln.shared import contracts as c
+from kiln.shared.bus import RemoteError
+from kiln.shared.envpool_client import EnvPoolClient
+from kiln.shared.model.tokenizer import special_id
+from kiln.shared.tasks import Task
+from kiln.shared.tools import ToolCallError, tool_schemas, validate_call
+
+from kiln.rollout.config import RolloutSettings
+from kiln.rollout.engine import InferenceEngine
+
+log = logging.getLogger("kiln.rollout.agent")
+
+
+@dataclass
+class EpisodeSpec:
+    request: c.RolloutRequest
+    sample_index: int
+    task: Task
+    worker_id: str
+    seed: int
+    temperature: float
+
+
+class _Sequence:
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.mask: list[int] = []
+
+    def context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.mask += [0] * len(ids)
+
+    def generated(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+        self.mask += [1] * len(ids)
+
+
+def clip_text(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
+async def run_episode(
+    spec: EpisodeSpec,
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    envpool: EnvPoolClient,
+    settings: RolloutSettings,
+    tracer: trace.Tracer,
+) -> c.Trajectory:
+    req, task = spec.request, spec.task
+    eos = special_id(tokenizer, chat.EOS)
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
+    seq = _Sequence()
+    system = chat.SYSTEM_PROMPT
+    messages = [c.ChatMessage(role="system", content=system), c.ChatMessage(role="user", content=task.problem_statement)]
+    seq.context(enc(chat.render_system(system, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
+    traj = dict(
+        run_id=req.run_id,
+        trajectory_id=f"{req.group_id}-s{spec.sample_index}",
+        group_id=req.group_id,
+        task_id=req.task_id,
+        sample_index=spec.sample_index,
+        dispatch_version=req.dispatch_version,
+        worker_id=spec.worker_id,
+        started_at=time.time(),
+    )
+    malformed = 0
+    turns = 0
+    finish = "max_turns"
+    try:
+        sandbox = await envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s)
+    except RemoteError as e:
+        return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", 0, 0, "error", None)
+
+    for turn in range(settings.max_turns):
+        budget = min(settings.max_new_tokens, settings.max_total_tokens - len(seq.ids) - 1)
+        if budget <= 0:
+            finish = "max_tokens"
+            break
+        if time.time() > req.deadline:
+            finish = "deadline"
+            break
+        with tracer.start_as_current_span("rollout.generate", attributes={"turn": turn}) as span:
+            gen = await engine.generate(seq.ids, budget, {eos}, spec.temperature, spec.seed * 1000 + turn)
+            span.set_attribute("policy.version", gen.version)
+            span.set_attribute("tokens", len(gen.token_ids))
+        turns += 1
+        seq.generated(gen.token_ids, gen.logprobs, gen.version)
+        text_ids = gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids
+        text = tokenizer.decode(text_ids, skip_special_tokens=False)
+        # Close the turn the way the chat template does; only generated tokens are trained.
+        seq.context(enc("\n") if gen.finish_reason == "stop" else [eos] + enc("\n"))
+        parsed = chat.parse_tool_calls(text)
+        messages.append(
+            c.ChatMessage(
+                role="assistant",
+                content=text,
+                version=gen.version,
+                tool_calls=[c.ToolCall(id=p.id, name=p.name or "?", arguments=p.arguments if isinstance(p.arguments, dict) else {}) for p in parsed],
+            )
+        )
+        if not parsed:
+            finish = "no_tool_call"
+            break
+        results: dict[str, str] = {}
+        valid: list[c.ToolCall] = []
+        for p in parsed:
+            if p.error:
+                results[p.id] = json.dumps({"error": p.error})
+                malformed += 1
+                continue
+            try:
+                validate_call(p.name, p.arguments)
+            except ToolCallError as e:
+                results[p.id] = json.dumps({"error": str(e)})
+                malformed += 1
+                continue
+            valid.append(c.ToolCall(id=p.id, name=p.name, arguments=p.arguments))
+        if valid:
+            try:
+                with tracer.start_as_current_span("rollout.tools", attributes={"calls": len(valid)}):
+                    for r in await envpool.tools(sandbox, valid, timeout_s=settings.tool_timeout_s):
+                        results[r.call_id] = json.dumps({"error": r.error}) if r.error else r.output
+            except RemoteError as e:
+                return _finish(
+                    traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"tool execution failed: {e}", turns, malformed, "error", sandbox
+                )
+        ordered = [clip_text(results[p.id], settings.max_observation_chars) for p in parsed]
+        for p, r in zip(parsed, ordered):
+            messages.append(c.ChatMessage(role="tool", content=r, tool_call_id=p.id))
+        seq.context(enc(chat.render_tool_results(ordered) + chat.assistant_prefix()))
+    return _finish(traj, seq, messages, c.TrajectoryStatus.FINISHED, None, turns, malformed, finish, sandbox)
+
+
+def _finish(traj, seq: _Sequence, messages, status, infra_error, turns, malformed, finish, sandbox) -> c.Trajectory:
+    return c.Trajectory(
+        **traj,
+        status=status,
+        infra_error=infra_error,
+        messages=messages,
+        token_ids=seq.ids,
+        logprobs=seq.logprobs,
+        token_versions=seq.versions,
+        loss_mask=seq.mask,
+        num_turns=turns,
+        malformed_tool_calls=malformed,
+        finish_reason=finish,
+        sandbox=sandbox,
+        finished_at=time.time(),
+    )

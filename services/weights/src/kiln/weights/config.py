@@ -1,0 +1,28 @@
+"""weights settings (section ``[weights]`` of the experiment file)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kiln.shared.config import DatabaseSettings, Section, ServiceConfig
+
+
+class WeightsSettings(Section):
+    store_dir: str = ""
+    """Root of the version store (shared with every rollout engine); empty = ``<run.dir>/weights``."""
+
+
+class WeightsConfig(ServiceConfig):
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    """Registry of stored versions."""
+    weights: WeightsSettings = Field(default_factory=WeightsSettings)
+    """This service's settings."""
+
+
+def store_dir(cfg: ServiceConfig, configured: str) -> str:
+    """The store root every service agrees on (learner stages, weights stores, rollout reads)."""
+    if configured:
+        return configured
+    if not cfg.run.dir:
+        raise ValueError("weights.store_dir is empty and run.dir is unset: set one of them")
+    return f"{cfg.run.dir}/weights"

@@ -1,0 +1,491 @@
+"""A small bus client over nats-py: JetStream publish/consume, request/reply, fan-out.
+
+Invariants:
+
+- a message a handler was given is settled exactly one way: acked (handler returned),
+  naked with a delay (``Retry`` or an exception, until ``max_deliver``), or terminated
+  after a copy went to the dead-letter stream with the reason (``Reject``, a message
+  that fails validation, or the last failed delivery); a message whose worker dies is
+  redelivered by JetStream after ``ack_wait`` because nothing settled it;
+- while a handler runs (and while a handler ``hold()``s a delivery) the bus sends
+  in-progress heartbeats, so slow work is not redelivered under a live worker;
+- an invalid message never stops a consumer: it is dead-lettered and the loop goes on;
+- the W3C trace context of the publisher travels in the headers and becomes the
+  parent of the consumer's span;
+- bodies above ``claim_check_bytes`` are stored in the ``kiln-claims`` object store
+  and the message carries only the key (claim-check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Generic, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import api
+from opentelemetry import trace
+from pydantic import ValidationError
+
+from kiln.shared import contracts as c
+from kiln.shared.config import NatsSettings
+from kiln.shared.telemetry import extract_context, inject_headers
+
+log = logging.getLogger("kiln.bus")
+
+M = TypeVar("M", bound=c.Message)
+R = TypeVar("R", bound=c.Message)
+
+
+class Reject(Exception):
+    """Raised by a handler: this message can never succeed; dead-letter it with the reason."""
+
+
+class Retry(Exception):
+    """Raised by a handler: not now; redeliver after ``delay_s``. Each retry is a delivery:
+    after ``max_deliver`` of them the message is dead-lettered, never silently dropped."""
+
+    def __init__(self, reason: str, delay_s: float = 1.0):
+        super().__init__(reason)
+        self.delay_s = delay_s
+
+
+class ServiceError(Exception):
+    """Raised by a request handler: reply with this error (``code``) instead of a result."""
+
+    def __init__(self, message: str, code: str = "error"):
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteError(Exception):
+    """A request/reply call answered with an error."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Delivery(Generic[M]):
+    """One JetStream delivery as a handler sees it."""
+
+    msg: Msg
+    num_delivered: int
+    stream_seq: int
+    settled: bool = False
+    held: bool = False
+    _done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return dict(self.msg.headers or {})
+
+    def hold(self) -> None:
+        """Keep the message unacked after the handler returns; the bus heartbeats it
+        until the holder calls ``ack``/``nak``. Used by the learner, which acks a
+        trajectory only once the step that trained it is published."""
+        self.held = True
+
+    async def ack(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self._done.set()
+            await self.msg.ack()
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        if not self.settled:
+            self.settled = True
+            self._done.set()
+            await self.msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self._done.set()
+            await self.msg.term()
+
+
+Handler = Callable[[M, Delivery], Awaitable[None]]
+
+
+class Bus:
+    def __init__(self, nc: nats.NATS, settings: NatsSettings, service: str, tracer: trace.Tracer | None = None):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.service = service
+        self.tracer = tracer or trace.get_tracer("kiln.bus")
+        self._obs = None
+        self._subs: list[Any] = []
+        self.dead_letters = 0
+
+    # --- lifecycle ------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, settings: NatsSettings, service: str, tracer: trace.Tracer | None = None) -> Bus:
+        nc: nats.NATS | None = None
+
+        async def on_disconnect():
+            if nc is not None and not (nc.is_closed or nc.is_draining):
+                log.warning("disconnected from NATS")
+
+        async def on_reconnect():
+            log.info("reconnected to NATS")
+
+        async def on_error(e):
+            log.debug("NATS client error: %s", e)
+
+        deadline = time.monotonic() + settings.connect_timeout_s
+        while True:
+            try:
+                nc = await nats.connect(
+                    servers=settings.url.split(","),
+                    name=service,
+                    connect_timeout=min(2.0, settings.connect_timeout_s),
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    allow_reconnect=True,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    error_cb=on_error,
+                )
+                break
+            except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {settings.url}: {e}") from e
+                await asyncio.sleep(0.2)
+        return cls(nc, settings, service, tracer)
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection may already be gone during shutdown
+                pass
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def ensure_topology(self) -> None:
+        """Create or update every stream and durable consumer; safe to call from every service."""
+        for spec in c.STREAMS:
+            cfg = api.StreamConfig(
+                name=spec.name,
+                description=spec.description,
+                subjects=list(spec.subjects),
+                retention=api.RetentionPolicy(spec.retention.value),
+                max_age=spec.max_age_s,
+                duplicate_window=spec.duplicate_window_s,
+                max_msgs_per_subject=spec.max_msgs_per_subject,
+                storage=api.StorageType.FILE,
+            )
+            try:
+                await self.js.stream_info(spec.name)
+                await self.js.update_stream(cfg)
+            except nats.js.errors.NotFoundError:
+                try:
+                    await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError:
+                    await self.js.update_stream(cfg)  # another service created it meanwhile
+        for spec in c.CONSUMERS:
+            await self._ensure_consumer(spec)
+        try:
+            self._obs = await self.js.object_store(c.CLAIMS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            self._obs = await self.js.create_object_store(
+                c.CLAIMS_BUCKET, config=api.ObjectStoreConfig(ttl=7 * 24 * 3600, description="claim-checked bodies")
+            )
+
+    def ack_wait(self, spec: c.ConsumerSpec) -> float:
+        return self.settings.ack_wait_s.get(spec.durable, spec.ack_wait_s)
+
+    async def _ensure_consumer(self, spec: c.ConsumerSpec) -> None:
+        cfg = api.ConsumerConfig(
+            durable_name=spec.durable,
+            description=spec.description,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait(spec),
+            max_deliver=spec.max_deliver,
+            max_ack_pending=spec.max_ack_pending,
+            filter_subject=spec.filter_subject,
+            **spec.overrides,
+        )
+        await self.js.add_consumer(spec.stream, cfg)
+
+    async def _claims(self):
+        if self._obs is None:
+            self._obs = await self.js.object_store(c.CLAIMS_BUCKET)
+        return self._obs
+
+    # --- publish --------------------------------------------------------------
+
+    async def publish(
+        self,
+        subject: str,
+        msg: c.Message,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        context=None,
+    ) -> api.PubAck:
+        """JetStream publish; ``msg_id`` makes retries idempotent within the duplicate window."""
+        hdrs = {c.HDR_TYPE: type(msg).__name__, **(headers or {})}
+        inject_headers(hdrs, context)
+        if msg_id:
+            hdrs[c.HDR_MSG_ID] = msg_id
+        data = msg.to_bytes()
+        if len(data) > self.settings.claim_check_bytes:
+            key = f"{subject}/{msg_id or uuid.uuid4().hex}"
+            await (await self._claims()).put(key, data)
+            hdrs[c.HDR_CLAIM] = key
+            data = b""
+        return await self.js.publish(subject, data, headers=hdrs)
+
+    async def _body(self, msg: Msg) -> bytes:
+        key = (msg.headers or {}).get(c.HDR_CLAIM)
+        if not key:
+            return msg.data
+        buf = io.BytesIO()
+        await (await self._claims()).get(key, writeinto=buf)
+        return buf.getvalue()
+
+    async def dead_letter(self, subject: str, data: bytes, headers: dict[str, str] | None, reason: str) -> None:
+        hdrs = {k: v for k, v in (headers or {}).items() if k != c.HDR_MSG_ID}
+        hdrs[c.HDR_DLQ_REASON] = reason[:2000].replace("\r", " ").replace("\n", " ")
+        hdrs[c.HDR_DLQ_SUBJECT] = subject
+        hdrs[c.HDR_DLQ_SERVICE] = self.service
+        await self.js.publish(c.dead_letter_subject(subject), data, headers=hdrs)
+        self.dead_letters += 1
+        log.warning("dead-lettered a message from %s: %s", subject, reason[:300])
+
+    # --- consume --------------------------------------------------------------
+
+    async def consume(
+        self,
+        spec: c.ConsumerSpec,
+        model: type[M],
+        handler: Handler,
+        *,
+        stop: asyncio.Event,
+        concurrency: int = 1,
+    ) -> None:
+        """Pull from the durable ``spec`` and run ``handler`` until ``stop`` is set."""
+        await self._ensure_consumer(spec)
+        psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        ack_wait = self.ack_wait(spec)
+        running: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set():
+                free = concurrency - len(running)
+                if free <= 0:
+                    await asyncio.wait(running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await psub.fetch(batch=min(free, self.settings.fetch_batch), timeout=0.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, OSError) as e:
+                    log.warning("fetch from %s failed (%s); retrying", spec.durable, e)
+                    await asyncio.sleep(0.5)
+                    continue
+                for m in msgs:
+                    t = asyncio.create_task(self._handle(spec, m, model, handler, ack_wait))
+                    running.add(t)
+                    t.add_done_callback(running.discard)
+        finally:
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+            try:
+                await psub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _handle(self, spec: c.ConsumerSpec, m: Msg, model: type[M], handler: Handler, ack_wait: float) -> None:
+        md = m.metadata
+        delivery: Delivery = Delivery(m, md.num_delivered, md.sequence.stream)
+        hb = asyncio.create_task(self._heartbeat(delivery, ack_wait))
+        try:
+            try:
+                data = await self._body(m)
+            except Exception as e:  # claim expired or object store gone: nothing will fix it
+                await self.dead_letter(m.subject, m.data, m.headers, f"claim-check body unavailable: {e}")
+                await delivery.term()
+                return
+            try:
+                obj = model.model_validate_json(data)
+            except ValidationError as e:
+                await self.dead_letter(m.subject, data, m.headers, f"invalid {model.__name__}: {_short(e)}")
+                await delivery.term()
+                return
+            ctx = extract_context(m.headers)
+            with self.tracer.start_as_current_span(
+                f"consume {m.subject}",
+                context=ctx,
+                kind=trace.SpanKind.CONSUMER,
+                attributes={"messaging.destination": m.subject, "messaging.delivery": delivery.num_delivered},
+            ):
+                await handler(obj, delivery)
+            if not delivery.held:
+                await delivery.ack()
+        except Reject as e:
+            await self.dead_letter(m.subject, m.data, m.headers, f"rejected by {self.service}: {e}")
+            await delivery.term()
+        except Retry as e:
+            if delivery.num_delivered >= spec.max_deliver:
+                await self.dead_letter(m.subject, m.data, m.headers, f"retried {delivery.num_delivered} times: {e}")
+                await delivery.term()
+            else:
+                log.info("retrying %s later: %s", m.subject, e)
+                await delivery.nak(e.delay_s)
+        except asyncio.CancelledError:
+            # Graceful shutdown: hand the message back at once instead of after ack_wait.
+            if not delivery.held:
+                await asyncio.shield(delivery.nak())
+            raise
+        except Exception as e:
+            log.exception("handler for %s failed (delivery %d/%d)", m.subject, delivery.num_delivered, spec.max_deliver)
+            if delivery.num_delivered >= spec.max_deliver:
+                await self.dead_letter(
+                    m.subject, m.data, m.headers, f"handler failed {delivery.num_delivered} times: {type(e).__name__}: {e}"
+                )
+                await delivery.term()
+            else:
+                await delivery.nak(min(30.0, 0.5 * 2 ** (delivery.num_delivered - 1)))
+        finally:
+            if not delivery.held or delivery.settled:
+                hb.cancel()
+
+    async def _heartbeat(self, delivery: Delivery, ack_wait: float) -> None:
+        period = max(0.2, ack_wait / 3)
+        while not delivery.settled:
+            try:
+                await asyncio.wait_for(delivery._done.wait(), period)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await delivery.msg.in_progress()
+            except Exception as e:  # a reconnect loses nothing: the next beat or a redelivery covers it
+                log.debug("in-progress heartbeat failed: %s", e)
+
+    async def watch(
+        self,
+        subject: str,
+        model: type[M],
+        handler: Callable[[M], Awaitable[None]],
+        *,
+        deliver: str = "last_per_subject",
+    ) -> None:
+        """Fan-out: every caller gets every message on ``subject`` (an ordered, ephemeral
+        consumer), starting from the last one per subject, or only new ones."""
+        policy = {
+            "last_per_subject": api.DeliverPolicy.LAST_PER_SUBJECT,
+            "new": api.DeliverPolicy.NEW,
+            "all": api.DeliverPolicy.ALL,
+        }[deliver]
+
+        async def cb(m: Msg) -> None:
+            try:
+                data = await self._body(m)
+                obj = model.model_validate_json(data)
+            except ValidationError as e:
+                await self.dead_letter(m.subject, m.data, m.headers, f"invalid {model.__name__}: {_short(e)}")
+                return
+            with self.tracer.start_as_current_span(
+                f"receive {m.subject}", context=extract_context(m.headers), kind=trace.SpanKind.CONSUMER
+            ):
+                try:
+                    await handler(obj)
+                except Exception:
+                    log.exception("watch handler for %s failed", m.subject)
+
+        sub = await self.js.subscribe(
+            subject,
+            cb=cb,
+            ordered_consumer=True,
+            config=api.ConsumerConfig(deliver_policy=policy),
+        )
+        self._subs.append(sub)
+
+    # --- request / reply --------------------------------------------------------
+
+    async def request(
+        self, subject: str, msg: c.Message, reply_model: type[R], *, timeout: float | None = None
+    ) -> R:
+        hdrs = inject_headers({c.HDR_TYPE: type(msg).__name__})
+        try:
+            resp = await self.nc.request(
+                subject, msg.to_bytes(), timeout=timeout or self.settings.request_timeout_s, headers=hdrs
+            )
+        except nats.errors.NoRespondersError as e:
+            raise RemoteError("no_responders", f"nothing is serving {subject}") from e
+        except nats.errors.TimeoutError as e:
+            raise RemoteError("timeout", f"{subject} did not answer within {timeout or self.settings.request_timeout_s}s") from e
+        err = (resp.headers or {}).get(c.HDR_ERROR)
+        if err:
+            raise RemoteError(err, resp.data.decode(errors="replace"))
+        return reply_model.model_validate_json(resp.data)
+
+    async def serve(
+        self,
+        subject: str,
+        request_model: type[M],
+        handler: Callable[[M], Awaitable[c.Message]],
+        *,
+        queue: str = "",
+        concurrency: int = 64,
+    ) -> None:
+        """Answer requests on ``subject`` (in queue group ``queue``), each in its own task."""
+        slots = asyncio.Semaphore(concurrency)
+        tasks: set[asyncio.Task] = set()
+
+        async def answer(m: Msg) -> None:
+            async with slots:
+                try:
+                    req = request_model.model_validate_json(m.data)
+                except ValidationError as e:
+                    reason = f"invalid {request_model.__name__}: {_short(e)}"
+                    await self.dead_letter(m.subject, m.data, m.headers, reason)
+                    await self._reply_error(m, "invalid_request", reason)
+                    return
+                with self.tracer.start_as_current_span(
+                    f"serve {subject}", context=extract_context(m.headers), kind=trace.SpanKind.SERVER
+                ):
+                    try:
+                        reply = await handler(req)
+                    except ServiceError as e:
+                        await self._reply_error(m, e.code, str(e))
+                        return
+                    except Exception as e:
+                        log.exception("request handler for %s failed", subject)
+                        await self._reply_error(m, "internal", f"{type(e).__name__}: {e}")
+                        return
+                if m.reply:
+                    await self.nc.publish(m.reply, reply.to_bytes())
+
+        async def cb(m: Msg) -> None:
+            t = asyncio.create_task(answer(m))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        self._subs.append(sub)
+
+    async def _reply_error(self, m: Msg, code: str, message: str) -> None:
+        if m.reply:
+            await self.nc.publish(m.reply, message.encode(), headers={c.HDR_ERROR: code})
+
+    async def consumer_info(self, spec: c.ConsumerSpec):
+        return await self.js.consumer_info(spec.stream, spec.durable)
+
+
+def _short(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()[:5])

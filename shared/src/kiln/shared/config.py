@@ -1,0 +1,304 @@
+"""Configuration: pydantic settings per service, read from one experiment file.
+
+Resolution order (highest wins): ``--set section.key=value`` overrides, environment
+variables ``KILN_<SECTION>__<KEY>``, the experiment TOML (``KILN_CONFIG`` or an
+explicit path), field defaults. An experiment file may ``include = ["base.toml"]``
+other files (paths relative to it); included files are merged first, deeply, so the
+including file wins. Every service reads only the sections its settings class
+declares and ignores the others, so one file describes the whole run.
+
+Every field carries a docstring; ``use_attribute_docstrings`` turns it into the field
+description that ``kiln config show`` and ``docs/configuration.md`` print.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONFIG_ENV = "KILN_CONFIG"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class RunSettings(Section):
+    id: str = ""
+    """Run id shared by every service of one run; ``kiln run`` generates one when empty."""
+    name: str = "kiln"
+    """Human-readable name of the experiment."""
+    root: str = "runs"
+    """Directory under which ``kiln run`` creates one folder per run (logs, data, weights)."""
+    dir: str = ""
+    """This run's folder; set by ``kiln run``. Services write traces and staging files here."""
+    seed: int = 0
+    """Seed for model initialisation, task sampling and generation."""
+
+
+class NatsSettings(Section):
+    url: str = "nats://127.0.0.1:4222"
+    """NATS server URL (comma-separated for a cluster)."""
+    connect_timeout_s: float = 5.0
+    """Give up connecting after this long at start-up (reconnects afterwards are unlimited)."""
+    request_timeout_s: float = 30.0
+    """Default timeout of request/reply calls (env-pool API, health probes)."""
+    claim_check_bytes: int = 256 * 1024
+    """Message bodies larger than this travel through the object store by reference."""
+    ack_wait_s: dict[str, float] = Field(default_factory=dict)
+    """Per-durable override of a consumer's ack wait, e.g. ``{"reward-workers" = 5}``."""
+    fetch_batch: int = 8
+    """How many messages a pull consumer fetches at once."""
+
+
+class DatabaseSettings(Section):
+    url: str = ""
+    """SQLAlchemy URL: ``postgresql://...`` (production) or ``sqlite:///path``. Empty means
+    ``kiln run`` starts the embedded database and fills this in."""
+    embedded: Literal["postgres", "sqlite"] = "postgres"
+    """What ``kiln run`` starts when ``url`` is empty: a throwaway local PostgreSQL cluster
+    (falls back to SQLite if the server binaries are missing) or a SQLite file."""
+    echo: bool = False
+    """Log every SQL statement."""
+
+
+class TelemetrySettings(Section):
+    otlp_endpoint: str = ""
+    """OTLP/HTTP endpoint (e.g. ``http://jaeger:4318``); traces and metrics are exported there."""
+    traces_file: str = ""
+    """Also write finished spans as JSON lines to this file (``{service}`` is substituted)."""
+    log_level: str = "INFO"
+    """Root log level."""
+    log_format: Literal["json", "text"] = "json"
+    """Structured JSON logs (with service, trace_id, span_id) or plain text."""
+    metrics_interval_s: float = 15.0
+    """Export interval of the OTLP metric reader."""
+    health_file: str = ""
+    """Touch this file every few seconds while the service's event loop is alive (container
+    healthchecks run ``kiln health --file``); ``{service}`` is substituted."""
+
+
+class TaskSettings(Section):
+    suite: str = "builtin"
+    """Task suite: ``builtin`` or a path to a JSONL file or a directory of tasks (docs/tasks.md)."""
+    split: str = "train"
+    """Split of the suite the controller samples training groups from."""
+
+
+class ModelSettings(Section):
+    """Architecture of a freshly initialised policy (Qwen3-MoE layout, HF parameter names)."""
+
+    vocab_size: int = 2048
+    """Target vocabulary of the byte-level BPE tokenizer trained on the task suite."""
+    hidden_size: int = 64
+    """Model width."""
+    num_hidden_layers: int = 2
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 16
+    """Per-head dimension."""
+    num_experts: int = 4
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Router top-k."""
+    moe_intermediate_size: int = 128
+    """Hidden size of each expert's SwiGLU FFN."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model (and its RoPE cache) supports."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the MoE load-balancing loss."""
+
+
+class AlgorithmSettings(Section):
+    """The RL algorithm: read by the controller, the learner and rollout alike."""
+
+    steps: int = 3
+    """Optimizer steps in the run; the run ends once version ``steps`` is published."""
+    groups_per_step: int = 2
+    """Groups (tasks) in one training batch."""
+    samples_per_group: int = 4
+    """Rollouts per group (the G of GRPO)."""
+    max_staleness: int = 0
+    """Maximum policy-version lag of a trained token (0 = strictly on-policy)."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner computes logprobs at the same temperature."""
+    clip_eps: float = 0.2
+    """PPO clip range of the importance ratio."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    std_normalize: bool = False
+    """Divide group advantages by the group's reward std (Dr. GRPO leaves it off)."""
+    group_deadline_s: float = 600.0
+    """A group not fully scored this long after dispatch is dropped (reason ``deadline``)."""
+
+
+class LocalSettings(Section):
+    """How ``kiln run`` starts the platform as local processes."""
+
+    embedded_nats: bool = True
+    """Start a nats-server for the run (in the run folder) instead of using ``nats.url``."""
+    replicas: dict[str, int] = Field(default_factory=lambda: {"rollout": 1})
+    """Processes per service, e.g. ``{rollout = 2, reward = 1}`` (default 1 each)."""
+    timeout_s: float = 3600.0
+    """Give up (exit 1) if the run has not finished after this long."""
+    stop_grace_s: float = 15.0
+    """On shutdown, how long services get to drain after SIGTERM before SIGKILL."""
+
+
+class ServiceConfig(BaseSettings):
+    """Sections every service reads. Service classes add their own."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KILN_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        use_attribute_docstrings=True,
+    )
+
+    run: RunSettings = Field(default_factory=RunSettings)
+    """Run identity and folders."""
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    """Message bus."""
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    """Tracing, metrics and logging."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _ExperimentFileSource(settings_cls))
+
+
+_config_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_config_path", default=None)
+
+
+class _ExperimentFileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused, __call__ does the work
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_path.get() or os.environ.get(CONFIG_ENV)
+        if not path:
+            return {}
+        data = load_toml(Path(path))
+        return {k: v for k, v in data.items() if k in self.settings_cls.model_fields}
+
+
+def load_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read an experiment file, resolving ``include`` lists depth-first."""
+    path = path.resolve()
+    if path in _seen:
+        raise ValueError(f"config include cycle: {' -> '.join(map(str, _seen + (path,)))}")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    merged: dict[str, Any] = {}
+    for inc in data.pop("include", []):
+        merged = deep_merge(merged, load_toml(path.parent / inc, _seen + (path,)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["rollout.max_turns=5", "run.name=x"]`` -> nested dict; values parse as TOML."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not of the form section.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def load_config(cls: type[C], path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> C:
+    """Resolve ``cls`` from defaults, the experiment file, the environment and overrides."""
+    token = _config_path.set(str(path) if path else None)
+    try:
+        init = {k: v for k, v in parse_overrides(overrides).items() if k in cls.model_fields}
+        return cls(**init)
+    finally:
+        _config_path.reset(token)
+
+
+def render_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """A resolved config as TOML (sections as tables); enough for ``kiln config show``."""
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    lines = []
+    if prefix and (scalars or not tables):
+        lines.append(f"[{prefix}]")
+    for k, v in scalars.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in tables.items():
+        if lines:
+            lines.append("")
+        name = f"{prefix}.{k}" if prefix else k
+        lines.append(render_toml(v, name).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if v is None:
+        return '""'
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def describe(cls: type[BaseModel]) -> list[tuple[str, str, Any, str]]:
+    """``(dotted name, type, default, description)`` of every leaf field of a config class."""
+    rows = []
+    for name, f in cls.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            for sub, typ, default, desc in describe(ann):
+                rows.append((f"{name}.{sub}", typ, default, desc))
+            continue
+        default = f.get_default(call_default_factory=True)
+        typ = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+        rows.append((name, typ, default, (f.description or "").strip()))
+    return rows

@@ -1,0 +1,16 @@
+"""Database access: async SQLAlchemy over PostgreSQL (psycopg 3) or SQLite (aiosqlite)."""
+
+from kiln.shared.db.models import Base, PolicyVersion, Run, TaskGroup, TrajectoryRecord
+from kiln.shared.db.session import Database, async_url, sync_url, upgrade
+
+__all__ = [
+    "Base",
+    "Database",
+    "PolicyVersion",
+    "Run",
+    "TaskGroup",
+    "TrajectoryRecord",
+    "async_url",
+    "sync_url",
+    "upgrade",
+]

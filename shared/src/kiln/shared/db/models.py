@@ -1,0 +1,103 @@
+"""Database models: runs, policy versions, task groups, trajectory records.
+
+Who writes what (one writer per column family, so services never race on a row):
+- the controller (learner process) inserts ``runs`` and ``task_groups`` and sets a
+  group's terminal ``status`` (``trained`` or ``dropped`` with a ``reason``);
+- the weights service inserts ``policy_versions``;
+- reward inserts ``trajectories``; the learner sets ``trained_version`` on the ones a
+  step consumed.
+A group ends exactly once: ``status`` moves from ``dispatched`` to ``trained`` or
+``dropped`` and never back (``kiln.learner.controller`` enforces it with a
+conditional update).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    """running | finished | failed"""
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+    detail: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policy_versions"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)
+    parent_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    path: Mapped[str] = mapped_column(Text)
+    manifest_sha256: Mapped[str] = mapped_column(String(64))
+    num_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    published_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TaskGroup(Base):
+    __tablename__ = "task_groups"
+
+    group_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    task_id: Mapped[str] = mapped_column(String(200))
+    n_samples: Mapped[int] = mapped_column(Integer)
+    dispatch_version: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="dispatched")
+    """dispatched | trained | dropped"""
+    reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    detail: Mapped[str] = mapped_column(Text, default="")
+    trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The version produced by the step that trained this group."""
+    deadline: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    dispatched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    __table_args__ = (Index("ix_task_groups_run_status", "run_id", "status"),)
+
+
+class TrajectoryRecord(Base):
+    __tablename__ = "trajectories"
+
+    trajectory_id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    group_id: Mapped[str] = mapped_column(String(128), index=True)
+    task_id: Mapped[str] = mapped_column(String(200))
+    sample_index: Mapped[int] = mapped_column(Integer)
+    dispatch_version: Mapped[int] = mapped_column(Integer)
+    min_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Oldest policy version among the generated tokens (None: no generated tokens)."""
+    max_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reward: Mapped[float | None] = mapped_column(Float, nullable=True)
+    passed: Mapped[bool] = mapped_column(Boolean, default=False)
+    infra_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    num_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    num_generated: Mapped[int] = mapped_column(Integer, default=0)
+    num_turns: Mapped[int] = mapped_column(Integer, default=0)
+    malformed_tool_calls: Mapped[int] = mapped_column(Integer, default=0)
+    finish_reason: Mapped[str] = mapped_column(String(32), default="")
+    tests: Mapped[dict] = mapped_column(JSON, default=dict)
+    test_output: Mapped[str] = mapped_column(Text, default="")
+    messages: Mapped[list] = mapped_column(JSON, default=list)
+    trace_id: Mapped[str] = mapped_column(String(32), default="")
+    worker_id: Mapped[str] = mapped_column(String(128), default="")
+    trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    scored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

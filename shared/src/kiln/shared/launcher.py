@@ -1,0 +1,291 @@
+"""``kiln run``: the whole platform as local processes, on embedded defaults.
+
+It creates a run folder, starts an embedded nats-server and database, migrates the
+database, writes the resolved experiment file every service reads, starts every
+installed service (``kiln.services`` entry points) as its own process with its log
+in ``<run>/logs/``, prints progress per policy version, and stops everything (services
+first, in reverse start order, then NATS and the database) when the run finishes, a
+service dies, the timeout passes, or on Ctrl-C. Exit code: 0 finished, 1 failed,
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field
+
+from kiln.shared import contracts as c
+from kiln.shared.bus import Bus
+from kiln.shared.config import (
+    AlgorithmSettings,
+    DatabaseSettings,
+    LocalSettings,
+    ServiceConfig,
+    deep_merge,
+    load_config,
+    load_toml,
+    parse_overrides,
+    render_toml,
+)
+from kiln.shared.registry import ServiceInfo, discover
+
+
+class LauncherConfig(ServiceConfig):
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    """Embedded database choice, or the URL of an existing one."""
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    """Read for the progress display (steps of the run)."""
+    local: LocalSettings = Field(default_factory=LocalSettings)
+    """Local process settings."""
+
+
+@dataclass
+class Child:
+    name: str
+    info: ServiceInfo
+    proc: subprocess.Popen
+    log: Path
+
+
+def _say(msg: str) -> None:
+    print(f"[kiln {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def resolve_experiment(config_path: str | None, overrides: list[str]) -> dict:
+    data = load_toml(Path(config_path)) if config_path else {}
+    return deep_merge(data, parse_overrides(overrides))
+
+
+class LocalPlatform:
+    def __init__(self, config_path: str | None, overrides: list[str]):
+        self.experiment = resolve_experiment(config_path, overrides)
+        self.services = discover()
+        if not self.services:
+            raise RuntimeError("no kiln services are installed (pip install -e services/*)")
+        self.children: list[Child] = []
+        self.nats = None
+        self.pg = None
+        self.finished = asyncio.Event()
+        self.failed: str | None = None
+        self.steps: list[c.StepMetrics] = []
+
+    def _prepare(self) -> tuple[Path, LauncherConfig]:
+        exp = self.experiment
+        run = exp.setdefault("run", {})
+        run_id = run.get("id") or f"run-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        run["id"] = run_id
+        root = Path(run.get("root", "runs")).resolve()
+        run_dir = Path(run.get("dir") or root / run_id).resolve()
+        run["dir"] = str(run_dir)
+        for sub in ("logs", "traces", "nats", "db"):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        tel = exp.setdefault("telemetry", {})
+        tel.setdefault("traces_file", str(run_dir / "traces" / "{service}.jsonl"))
+        self.run_dir = run_dir
+        self.config_file = run_dir / "config.toml"
+        self.config_file.write_text(render_toml(exp))
+        return run_dir, load_config(LauncherConfig, self.config_file)
+
+    def _start_infra(self, cfg: LauncherConfig) -> None:
+        from kiln.shared.embedded import NatsServer, PostgresServer, postgres_bindir
+        from kiln.shared.db import upgrade
+
+        if cfg.local.embedded_nats:
+            self.nats = NatsServer(self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log")).start()
+            self.experiment.setdefault("nats", {})["url"] = self.nats.url
+            _say(f"nats-server with JetStream on {self.nats.url}")
+        db = self.experiment.setdefault("database", {})
+        if not db.get("url"):
+            if cfg.database.embedded == "postgres" and postgres_bindir() is not None:
+                self.pg = PostgresServer(self.run_dir / "db" / "pg").start()
+                db["url"] = self.pg.url
+                _say(f"PostgreSQL (embedded) on {self.pg.url}")
+            else:
+                if cfg.database.embedded == "postgres":
+                    _say("PostgreSQL server binaries not found; using SQLite instead")
+                db["url"] = f"sqlite:///{self.run_dir / 'db' / 'kiln.db'}"
+                _say(f"SQLite database {db['url']}")
+        upgrade(db["url"])
+        self.config_file.write_text(render_toml(self.experiment))
+
+    def _spawn(self, cfg: LauncherConfig) -> None:
+        for name, info in self.services.items():
+            load_config(info.config_class(), self.config_file)  # fail before starting anything
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KILN_CONFIG": str(self.config_file)}
+        for name, info in self.services.items():
+            for i in range(cfg.local.replicas.get(name, 1)):
+                label = f"{name}-{i}"
+                log = self.run_dir / "logs" / f"{label}.log"
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", info.module, "--config", str(self.config_file), "--instance", label],
+                    stdout=open(log, "ab"),
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
+                )
+                self.children.append(Child(label, info, proc, log))
+        _say("services: " + ", ".join(ch.name for ch in self.children) + f" (logs in {self.run_dir / 'logs'})")
+
+    async def _watch(self, bus: Bus, run_id: str, steps: int) -> None:
+        t0 = time.monotonic()
+
+        async def on_weights(m: c.WeightsPublished) -> None:
+            if m.version == 0:
+                _say(f"policy version 0 published ({sum(f.size for f in m.manifest.files) / 1e6:.1f} MB); rollouts start")
+
+        async def on_metrics(m: c.StepMetrics) -> None:
+            if m.run_id != run_id:
+                return
+            self.steps.append(m)
+            rate = sum(s.trajectories for s in self.steps) / max(1e-9, time.monotonic() - t0)
+            _say(
+                f"version {m.version}/{steps}: {m.trajectories} trajectories, reward {m.mean_reward:.3f}, "
+                f"pass {m.pass_rate:.0%}, loss {m.loss:+.4f}, staleness {m.mean_staleness:.1f} (max {m.max_staleness}), "
+                f"dropped {m.dropped_groups}, infra {m.infra_errors}, step {m.step_seconds:.1f}s, "
+                f"learner waited {m.wait_seconds:.1f}s, {rate:.2f} traj/s"
+            )
+
+        async def on_event(m: c.RunEvent) -> None:
+            if m.run_id != run_id:
+                return
+            if m.kind == "finished":
+                self.finished.set()
+            elif m.kind == "failed":
+                self.failed = m.detail or "the run failed"
+                self.finished.set()
+
+        await bus.watch(c.weights_published_subject(run_id), c.WeightsPublished, on_weights, deliver="all")
+        await bus.watch(c.STEP_METRICS, c.StepMetrics, on_metrics, deliver="new")
+        await bus.watch(c.RUN_EVENTS, c.RunEvent, on_event, deliver="new")
+
+    async def _supervise(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.finished.is_set():
+            for ch in self.children:
+                if ch.proc.poll() is not None:
+                    self.failed = f"{ch.name} exited with code {ch.proc.returncode}; last lines of {ch.log}:\n" + _tail(ch.log)
+                    return
+            if time.monotonic() > deadline:
+                self.failed = f"the run did not finish within {timeout_s:.0f}s"
+                return
+            try:
+                await asyncio.wait_for(self.finished.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    def _stop_children(self, grace: float) -> None:
+        for ch in sorted(self.children, key=lambda ch: -ch.info.order):
+            if ch.proc.poll() is None:
+                ch.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + grace
+        for ch in self.children:
+            try:
+                ch.proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                ch.proc.kill()
+                ch.proc.wait()
+
+    async def run(self) -> int:
+        run_dir, cfg = self._prepare()
+        _say(f"run {cfg.run.id}: {cfg.algorithm.steps} steps of {cfg.algorithm.groups_per_step} groups x "
+             f"{cfg.algorithm.samples_per_group} samples; results in {run_dir}")
+        interrupted = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: (interrupted.set(), self.finished.set()))
+        bus = None
+        try:
+            self._start_infra(cfg)
+            cfg = load_config(LauncherConfig, self.config_file)
+            bus = await Bus.connect(cfg.nats, "launcher")
+            await bus.ensure_topology()
+            await self._watch(bus, cfg.run.id, cfg.algorithm.steps)
+            self._spawn(cfg)
+            await self._supervise(cfg.local.timeout_s)
+        finally:
+            _say("stopping services")
+            self._stop_children(cfg.local.stop_grace_s)
+            if bus:
+                await bus.close()
+            summary = ""
+            if cfg.database.url:
+                if self.failed or interrupted.is_set():
+                    await self._mark_failed(cfg, "interrupted" if interrupted.is_set() else self.failed or "")
+                try:
+                    summary = await self._summary(cfg)
+                except Exception as e:  # never hide the run's own outcome behind a summary error
+                    summary = f"(summary unavailable: {e})"
+            if self.pg:
+                self.pg.stop()
+            if self.nats:
+                self.nats.stop()
+        if interrupted.is_set():
+            _say("interrupted")
+            return 130
+        if self.failed:
+            _say(f"FAILED: {self.failed}")
+            return 1
+        print(summary, flush=True)
+        return 0
+
+    async def _mark_failed(self, cfg: LauncherConfig, why: str) -> None:
+        from sqlalchemy import update
+
+        from kiln.shared.db import Database, Run
+
+        db = Database(cfg.database.url)
+        try:
+            async with db.session() as s:
+                await s.execute(update(Run).where(Run.id == cfg.run.id, Run.status == "running").values(status="failed", detail=why[:4000]))
+        except Exception as e:  # the database may be what failed; the exit code still says so
+            _say(f"could not mark the run failed in the database: {e}")
+        finally:
+            await db.close()
+
+    async def _summary(self, cfg: LauncherConfig) -> str:
+        from sqlalchemy import func, select
+
+        from kiln.shared.db import Database, PolicyVersion, TaskGroup
+
+        db = Database(cfg.database.url)
+        try:
+            async with db.session() as s:
+                versions = (await s.scalar(select(func.count()).select_from(PolicyVersion).where(PolicyVersion.run_id == cfg.run.id))) or 0
+                rows = (await s.execute(
+                    select(TaskGroup.status, TaskGroup.reason, func.count()).where(TaskGroup.run_id == cfg.run.id).group_by(TaskGroup.status, TaskGroup.reason)
+                )).all()
+        finally:
+            await db.close()
+        groups = ", ".join(f"{n} {st}{f' ({r})' if r else ''}" for st, r, n in rows) or "none"
+        lines = [
+            "",
+            f"run {cfg.run.id} finished: {versions} policy versions stored (0..{versions - 1}), groups: {groups}",
+            f"  results:  {self.run_dir}",
+            f"  config:   {self.config_file}",
+            f"  logs:     {self.run_dir / 'logs'}",
+            f"  traces:   {self.run_dir / 'traces'}",
+            f"  weights:  {self.run_dir / 'weights'}",
+            f"  database: {cfg.database.url}" + (" (embedded, stopped; start it again with pg_ctl -D " + str(self.run_dir / 'db' / 'pg' / 'data') + ")" if self.pg else ""),
+        ]
+        return "\n".join(lines)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def run_local(config_path: str | None, overrides: list[str]) -> int:
+    return asyncio.run(LocalPlatform(config_path, overrides).run())

@@ -1,0 +1,136 @@
+"""The process scaffold every kiln service runs in.
+
+``run_service`` owns a service's lifetime: telemetry first and last (so shutdown
+flushes every span), one bus connection, idempotent topology creation, a health
+responder on ``kiln.health.<service>``, a liveness file for container healthchecks,
+and a ``stop`` event set by SIGTERM/SIGINT that the service body watches to drain
+its work. The body returns when it has finished; errors propagate and fail the
+process (a supervisor restarts it; unacked work is redelivered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence, TypeVar
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from kiln.shared import contracts as c
+from kiln.shared.bus import Bus
+from kiln.shared.config import ServiceConfig, load_config
+from kiln.shared.telemetry import Telemetry, init_telemetry
+
+log = logging.getLogger("kiln.service")
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+@dataclass
+class ServiceContext:
+    name: str
+    instance: str
+    config: ServiceConfig
+    bus: Bus
+    telemetry: Telemetry
+    stop: asyncio.Event
+    started_at: float = field(default_factory=time.time)
+    health_detail: dict = field(default_factory=dict)
+
+    @property
+    def tracer(self):
+        return self.telemetry.tracer
+
+
+def default_instance(name: str) -> str:
+    return f"{name}-{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}".replace(".", "-")
+
+
+async def run_service(
+    name: str,
+    config: ServiceConfig,
+    body: Callable[[ServiceContext], Awaitable[None]],
+    *,
+    instance: str | None = None,
+    stop: asyncio.Event | None = None,
+    install_signals: bool = True,
+    set_global_telemetry: bool = True,
+    extra_exporters: tuple[SpanExporter, ...] = (),
+) -> None:
+    instance = instance or default_instance(name)
+    tel = init_telemetry(
+        name, config.telemetry, instance=instance, extra_exporters=extra_exporters, set_global=set_global_telemetry
+    )
+    stop = stop or asyncio.Event()
+    if install_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    bus = None
+    beat = None
+    try:
+        bus = await Bus.connect(config.nats, instance, tel.tracer)
+        await bus.ensure_topology()
+        ctx = ServiceContext(name, instance, config, bus, tel, stop)
+
+        async def health(_: c.HealthReply) -> c.HealthReply:
+            return c.HealthReply(
+                service=name, instance=instance, uptime_s=time.time() - ctx.started_at, detail=ctx.health_detail
+            )
+
+        await bus.serve(f"{c.HEALTH_PREFIX}.{name}", c.HealthProbe, health)
+        if config.telemetry.health_file:
+            beat = asyncio.create_task(_liveness(Path(config.telemetry.health_file.replace("{service}", name)), stop))
+        log.info("%s started as %s", name, instance)
+        await body(ctx)
+        log.info("%s stopped", name)
+    finally:
+        if beat:
+            beat.cancel()
+        if bus:
+            await bus.close()
+        tel.shutdown()
+
+
+async def _liveness(path: Path, stop: asyncio.Event) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while not stop.is_set():
+        path.touch()
+        try:
+            await asyncio.wait_for(stop.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+def service_main(
+    name: str, config_cls: type[C], body: Callable[[ServiceContext], Awaitable[None]], argv: Sequence[str] | None = None
+) -> None:
+    """Entrypoint of ``python -m kiln.<service>.main [--config FILE] [--set k=v ...]``."""
+    p = argparse.ArgumentParser(prog=f"kiln-{name}", description=f"kiln {name} service")
+    p.add_argument("--config", help="experiment TOML file (default: $KILN_CONFIG)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--instance", help="instance id (default: host-pid-random)")
+    args = p.parse_args(argv)
+    config = load_config(config_cls, args.config, args.overrides)
+    asyncio.run(run_service(name, config, body, instance=args.instance))
+
+
+def wait_or_stop(stop: asyncio.Event, seconds: float) -> Awaitable[bool]:
+    """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
+
+    async def _w() -> bool:
+        try:
+            await asyncio.wait_for(stop.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    return _w()

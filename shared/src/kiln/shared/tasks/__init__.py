@@ -1,0 +1,124 @@
+"""Coding tasks: the documented task format and the suite loader (docs/tasks.md).
+
+A task is a small repository with a problem, SWE-bench style:
+
+- ``files``: the repository the agent starts from (path -> text);
+- ``test_files``: tests written over the workspace right before scoring, so an agent
+  that edits the tests cannot change its own score;
+- ``test_command``: runs the tests verbosely (unittest ``-v`` format, or pytest ``-rA``);
+- ``fail_to_pass``: test ids that fail on ``files`` and must pass after the fix;
+- ``pass_to_pass``: test ids that pass on ``files`` and must still pass;
+- ``solution``: optional reference contents of the files a correct fix changes
+  (used to validate the task and to build demonstrations).
+
+A suite is a JSONL file (one task per line), a directory of task folders
+(``<id>/task.toml``, ``<id>/repo/``, ``<id>/tests/``, optional ``<id>/solution/``), or
+``builtin`` (the JSONL shipped in this package).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+BUILTIN = Path(__file__).parent / "builtin.jsonl"
+
+
+class Task(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    problem_statement: str
+    files: dict[str, str]
+    test_files: dict[str, str] = Field(default_factory=dict)
+    test_command: str = "python3 -m unittest -v"
+    fail_to_pass: list[str]
+    pass_to_pass: list[str] = Field(default_factory=list)
+    split: str = "train"
+    solution: dict[str, str] | None = None
+    timeout_s: float = 60.0
+    metadata: dict = Field(default_factory=dict)
+
+    @field_validator("files", "test_files", "solution")
+    @classmethod
+    def _relative_paths(cls, v):
+        for path in v or {}:
+            p = Path(path)
+            if p.is_absolute() or ".." in p.parts or not path.strip():
+                raise ValueError(f"task file path {path!r} must be relative and stay inside the repository")
+        return v
+
+    @field_validator("fail_to_pass")
+    @classmethod
+    def _has_target(cls, v):
+        if not v:
+            raise ValueError("a task needs at least one FAIL_TO_PASS test")
+        return v
+
+
+class TaskSuite:
+    def __init__(self, tasks: list[Task], source: str):
+        self.source = source
+        self.tasks = tasks
+        self._by_id = {}
+        for t in tasks:
+            if t.id in self._by_id:
+                raise ValueError(f"duplicate task id {t.id!r} in {source}")
+            self._by_id[t.id] = t
+
+    def get(self, task_id: str) -> Task:
+        try:
+            return self._by_id[task_id]
+        except KeyError:
+            raise KeyError(f"task {task_id!r} is not in suite {self.source}") from None
+
+    def split(self, name: str) -> list[Task]:
+        tasks = [t for t in self.tasks if t.split == name]
+        if not tasks:
+            raise ValueError(f"suite {self.source} has no tasks in split {name!r}")
+        return tasks
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+def load_suite(spec: str) -> TaskSuite:
+    """``builtin``, a ``.jsonl`` file, or a directory of task folders."""
+    return _load(str(BUILTIN) if spec == "builtin" else str(Path(spec).resolve()))
+
+
+@lru_cache(maxsize=8)
+def _load(path: str) -> TaskSuite:
+    p = Path(path)
+    if p.is_dir():
+        return TaskSuite([_load_dir_task(d) for d in sorted(p.iterdir()) if (d / "task.toml").exists()], path)
+    if not p.is_file():
+        raise FileNotFoundError(f"task suite not found: {path}")
+    tasks = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                tasks.append(Task.model_validate(json.loads(line)))
+            except Exception as e:
+                raise ValueError(f"{path}:{n}: invalid task: {e}") from e
+    return TaskSuite(tasks, path)
+
+
+def _read_tree(root: Path) -> dict[str, str]:
+    if not root.is_dir():
+        return {}
+    return {str(f.relative_to(root)): f.read_text() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def _load_dir_task(d: Path) -> Task:
+    meta = tomllib.loads((d / "task.toml").read_text())
+    meta.setdefault("id", d.name)
+    meta["files"] = _read_tree(d / "repo")
+    meta["test_files"] = _read_tree(d / "tests")
+    if (d / "solution").is_dir():
+        meta["solution"] = _read_tree(d / "solution")
+    return Task.model_validate(meta)
