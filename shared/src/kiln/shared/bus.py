@@ -196,7 +196,7 @@ class Bus:
                 except nats.js.errors.BadRequestError:
                     await self.js.update_stream(cfg)  # another service created it meanwhile
         for spec in c.CONSUMERS:
-            await self._ensure_consumer(spec)
+            await self.ensure_consumer(spec)
         try:
             self._obs = await self.js.object_store(c.CLAIMS_BUCKET)
         except nats.js.errors.BucketNotFoundError:
@@ -207,7 +207,7 @@ class Bus:
     def ack_wait(self, spec: c.ConsumerSpec) -> float:
         return self.settings.ack_wait_s.get(spec.durable, spec.ack_wait_s)
 
-    async def _ensure_consumer(self, spec: c.ConsumerSpec) -> None:
+    async def ensure_consumer(self, spec: c.ConsumerSpec) -> None:
         cfg = api.ConsumerConfig(
             durable_name=spec.durable,
             description=spec.description,
@@ -276,10 +276,14 @@ class Bus:
         *,
         stop: asyncio.Event,
         concurrency: int = 1,
+        ready: asyncio.Event | None = None,
     ) -> None:
-        """Pull from the durable ``spec`` and run ``handler`` until ``stop`` is set."""
-        await self._ensure_consumer(spec)
+        """Pull from the durable ``spec`` and run ``handler`` until ``stop`` is set
+        (``ready`` is set once the consumer is bound)."""
+        await self.ensure_consumer(spec)
         psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        if ready is not None:
+            ready.set()
         ack_wait = self.ack_wait(spec)
         running: set[asyncio.Task] = set()
         try:

@@ -42,6 +42,8 @@ class ServiceContext:
     bus: Bus
     telemetry: Telemetry
     stop: asyncio.Event
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by the service body once it serves (subscriptions made, consumers bound)."""
     started_at: float = field(default_factory=time.time)
     health_detail: dict = field(default_factory=dict)
 
@@ -64,6 +66,7 @@ async def run_service(
     install_signals: bool = True,
     set_global_telemetry: bool = True,
     extra_exporters: tuple[SpanExporter, ...] = (),
+    ready: asyncio.Event | None = None,
 ) -> None:
     instance = instance or default_instance(name)
     tel = init_telemetry(
@@ -79,11 +82,14 @@ async def run_service(
     try:
         bus = await Bus.connect(config.nats, instance, tel.tracer)
         await bus.ensure_topology()
-        ctx = ServiceContext(name, instance, config, bus, tel, stop)
+        ctx = ServiceContext(name, instance, config, bus, tel, stop, ready or asyncio.Event())
 
         async def health(_: c.HealthReply) -> c.HealthReply:
             return c.HealthReply(
-                service=name, instance=instance, uptime_s=time.time() - ctx.started_at, detail=ctx.health_detail
+                service=name,
+                instance=instance,
+                uptime_s=time.time() - ctx.started_at,
+                detail={"ready": ctx.ready.is_set(), **ctx.health_detail},
             )
 
         await bus.serve(f"{c.HEALTH_PREFIX}.{name}", c.HealthProbe, health)

@@ -72,6 +72,7 @@ async def serve(ctx: ServiceContext) -> None:
     await bus.serve(c.envpool_node_subject(node_id, "tools"), c.SandboxTools, on_tools)
     await bus.serve(c.envpool_node_subject(node_id, "destroy"), c.SandboxDestroy, on_destroy)
     ctx.health_detail["node_id"] = node_id
+    ctx.ready.set()
     log.info("env-pool node %s serving (capacity %d, workspaces in %s)", node_id, s.max_sandboxes, root)
     try:
         while not await wait_or_stop(ctx.stop, s.reap_interval_s):

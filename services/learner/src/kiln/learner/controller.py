@@ -23,6 +23,7 @@ import random
 import time
 from datetime import datetime, timezone
 
+from opentelemetry.context import Context
 from sqlalchemy import func, select, update
 
 from kiln.shared import contracts as c
@@ -123,7 +124,7 @@ class Controller:
         for i in range(a.samples_per_group):
             span = self.ctx.tracer.start_span(
                 "controller.dispatch",
-                context=None,
+                context=Context(),  # a new root: each trajectory is its own trace
                 attributes={"group_id": gid, "sample": i, "task_id": task.id, "policy.version": self.published_version},
             )
             traces.append(traceparent(span))

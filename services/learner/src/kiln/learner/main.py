@@ -55,7 +55,7 @@ async def serve(ctx: ServiceContext) -> None:
 
         watcher = asyncio.create_task(until_done())
         expiry = asyncio.create_task(deadlines())
-        await ctx.bus.consume(c.LEARNER, c.ScoredTrajectory, trainer.on_scored, stop=done)
+        await ctx.bus.consume(c.LEARNER, c.ScoredTrajectory, trainer.on_scored, stop=done, ready=ctx.ready)
         await watcher
         await expiry
         await trainer.release()

@@ -106,8 +106,8 @@ class Policy:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm)
         self.optimizer.step()
         return StepStats(
-            loss=float(pg),
-            aux_loss=float(aux),
+            loss=float(pg.detach()),
+            aux_loss=float(aux.detach()),
             tokens=int(stats["tokens"]),
             ratio_mean=stats["ratio_mean"],
             clip_frac=stats["clip_frac"],

@@ -22,7 +22,7 @@ async def serve(ctx: ServiceContext) -> None:
     try:
         scorer = Scorer(ctx, db, load_suite(cfg.tasks.suite))
         await ctx.bus.consume(
-            c.REWARD_WORKERS, c.Trajectory, scorer.on_trajectory, stop=ctx.stop, concurrency=cfg.reward.concurrency
+            c.REWARD_WORKERS, c.Trajectory, scorer.on_trajectory, stop=ctx.stop, concurrency=cfg.reward.concurrency, ready=ctx.ready
         )
     finally:
         await db.close()

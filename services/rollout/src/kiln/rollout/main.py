@@ -27,7 +27,7 @@ async def serve(ctx: ServiceContext) -> None:
     worker = RolloutWorker(ctx, TorchEngine(cfg.rollout.torch_threads), load_suite(cfg.tasks.suite))
     await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
     await ctx.bus.consume(
-        c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups
+        c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups, ready=ctx.ready
     )
 
 

@@ -63,7 +63,7 @@ async def serve(ctx: ServiceContext) -> None:
         log.info("published version %d of %s (%d bytes)", ck.version, ck.run_id, sum(f.size for f in manifest.files))
 
     try:
-        await ctx.bus.consume(c.WEIGHTS_WRITERS, c.PolicyCheckpoint, on_checkpoint, stop=ctx.stop)
+        await ctx.bus.consume(c.WEIGHTS_WRITERS, c.PolicyCheckpoint, on_checkpoint, stop=ctx.stop, ready=ctx.ready)
     finally:
         await db.close()
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up of a fresh machine for `make run` and `make test`:
+# system packages (where root allows), a virtual environment in .venv with torch (CPU),
+# every kiln package installed editable, and the test tools. Re-running is cheap: the
+# Python part is skipped while the package manifests are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+say() { printf '[setup] %s\n' "$*"; }
+
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || {
+  say "Python >= 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11"; exit 1; }
+
+# --- system packages: bubblewrap + ripgrep (sandboxes, grep tool), PostgreSQL server (tests, embedded DB)
+need=()
+command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v rg >/dev/null || need+=(ripgrep)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || need+=(postgresql)
+if ((${#need[@]})); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing system packages: ${need[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
+  else
+    say "missing system packages: ${need[*]}; install them (e.g. sudo apt-get install ${need[*]})."
+    say "without PostgreSQL the local run falls back to SQLite and the PostgreSQL tests are skipped"
+  fi
+fi
+# PostgreSQL refuses to run as root; the embedded server runs as the `postgres` system user.
+if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
+  say "creating the postgres system user"
+  useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
+fi
+
+# --- Python environment
+stamp=.venv/.kiln-setup
+want=$(cat shared/pyproject.toml services/*/pyproject.toml requirements-dev.txt scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || { say "creating .venv"; "$PY" -m venv .venv; }
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip >/dev/null 2>&1 || true
+# A CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# On a GPU machine, preinstall the CUDA torch you want into .venv and this line keeps it.
+.venv/bin/python -c 'import torch' 2>/dev/null || {
+  say "installing torch (CPU)"
+  pip install "torch==2.13.0" 2>/dev/null || pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+}
+say "installing kiln packages (editable) and test tools"
+pip install -e "shared[model,embedded]" -e services/env-pool -e services/rollout -e services/reward \
+  -e services/weights -e services/learner -r requirements-dev.txt
+echo "$want" > "$stamp"
+say "ready: .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

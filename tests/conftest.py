@@ -1,0 +1,71 @@
+"""Shared fixtures: a real nats-server per test, one real PostgreSQL server per session
+(a fresh, migrated database per test), and experiment files for in-process services."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kiln.shared.bus import Bus
+from kiln.shared.config import NatsSettings
+from kiln.shared.db import upgrade
+from kiln.shared.embedded import NatsServer, PostgresServer
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def bus(nats_server):
+    b = await Bus.connect(NatsSettings(url=nats_server.url), "test")
+    await b.ensure_topology()
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (``scripts/setup.sh`` installs it; CI runs that first).
+    Its folder is directly under /tmp: as root the server runs as ``postgres``, which
+    cannot enter pytest's private temp tree."""
+    base = Path(tempfile.mkdtemp(prefix="kiln-test-pg-"))
+    server = PostgresServer(base).start()
+    yield server
+    server.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def pg_url(postgres):
+    """A fresh database at the latest migration."""
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:{postgres.port}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
+    upgrade(url)
+    return url
+
+
+def write_experiment(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    return d

@@ -1,0 +1,638 @@
+"""Structural checks of the container deployment: docker-compose.yml, the services'
+Dockerfiles and .dockerignore, validated against the code (the registered services,
+their settings classes, their package dependencies) without a Docker engine.
+
+Compose interpolation (``${VAR:-default}``) is resolved with the defaults only, so the
+file is checked as shipped, whatever the environment of the test run holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+from pydantic import BaseModel, Field
+
+from kiln.shared.config import DatabaseSettings, ServiceConfig, load_config, load_toml
+from kiln.shared.registry import ServiceInfo, discover
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+SERVICES_DIR = ROOT / "services"
+SERVICE_FOLDERS = sorted(p.name for p in SERVICES_DIR.iterdir() if (p / "pyproject.toml").is_file())
+
+SCALABLE = ("rollout", "reward", "env-pool")
+"""Replicated with ``docker compose up --scale``: no fixed name, no host port."""
+NO_TORCH = ("env-pool", "reward", "weights")
+"""Services whose image must not carry torch."""
+RUN_DATA_USERS = ("weights", "learner", "rollout")
+"""Exchange checkpoint and version folders by absolute path under run.dir."""
+MIGRATE = "migrate"
+LOOPBACK = "127.0.0.1"
+
+
+class _MigrateConfig(ServiceConfig):
+    """What ``kiln db upgrade`` reads (``cmd_db_upgrade`` in kiln.shared.cli)."""
+
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _interpolate(value: Any) -> Any:
+    """Compose variable substitution with every variable unset (defaults win)."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        op, arg = m.group(2), m.group(3)
+        return arg if op in (":-", "-") else ""
+
+    parts = value.split("$$")
+    return "$".join(_VAR.sub(sub, p) for p in parts)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    assert COMPOSE_FILE.is_file(), f"{COMPOSE_FILE} is missing"
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict), (
+        f"{COMPOSE_FILE.name} has no `services:` mapping"
+    )
+    return _interpolate(data)
+
+
+@pytest.fixture(scope="module")
+def registry() -> dict[str, ServiceInfo]:
+    return discover()
+
+
+def _service(compose: dict, name: str) -> dict:
+    svc = compose["services"].get(name)
+    assert isinstance(svc, dict), f"docker-compose.yml has no service {name!r} (has: {', '.join(compose['services'])})"
+    return svc
+
+
+def _env(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        out = {}
+        for item in env:
+            key, _, val = str(item).partition("=")
+            out[key] = val
+        return out
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def _depends(svc: dict) -> dict[str, str]:
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {d: "service_started" for d in deps}
+    return {k: (v or {}).get("condition", "service_started") for k, v in deps.items()}
+
+
+def _build(svc: dict) -> tuple[Path, Path] | None:
+    """(context, dockerfile) as absolute paths, or None without a build section."""
+    b = svc.get("build")
+    if b is None:
+        return None
+    if isinstance(b, str):
+        b = {"context": b}
+    context = (ROOT / b.get("context", ".")).resolve()
+    return context, (context / b.get("dockerfile", "Dockerfile")).resolve()
+
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` with comments dropped and continuations joined."""
+    out, buf = [], ""
+    for raw in dockerfile.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue  # comment lines inside a continued instruction
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        instr, _, args = buf.strip().partition(" ")
+        out.append((instr.upper(), args.strip()))
+        buf = ""
+    if buf.strip():
+        instr, _, args = buf.strip().partition(" ")
+        out.append((instr.upper(), args.strip()))
+    return out
+
+
+def _exec_form(args: str) -> list[str]:
+    args = args.strip()
+    if args.startswith("["):
+        return list(yaml.safe_load(args))  # a JSON array is YAML
+    return shlex.split(args)
+
+
+def _copy_sources(args: str) -> tuple[list[str], bool]:
+    """Sources of a COPY/ADD and whether it copies from another stage or image."""
+    words = _exec_form(args)
+    flags = [w for w in words if w.startswith("--")]
+    paths = [w for w in words if not w.startswith("--")]
+    from_stage = any(f.startswith("--from") for f in flags)
+    return paths[:-1], from_stage
+
+
+def _norm(path: str) -> str:
+    p = str(PurePosixPath(path.lstrip("/")))
+    return "" if p == "." else p
+
+
+def _dockerfile(folder: str) -> Path:
+    return SERVICES_DIR / folder / "Dockerfile"
+
+
+def _pyproject(path: Path) -> dict:
+    return tomllib.loads(path.read_text())["project"]
+
+
+def _torch_via(folder: str) -> list[tuple[str, Requirement]]:
+    """How a service's package pulls torch: ``(chain, torch requirement)`` pairs (empty: it does not)."""
+    shared = _pyproject(ROOT / "shared" / "pyproject.toml")
+    extras = shared.get("optional-dependencies", {})
+    found = []
+    for dep in _pyproject(SERVICES_DIR / folder / "pyproject.toml").get("dependencies", []):
+        req = Requirement(dep)
+        if req.name == "torch":
+            found.append((dep, req))
+        elif req.name == shared["name"]:
+            pulled = [(dep, r) for r in shared.get("dependencies", [])]
+            pulled += [(f"{dep} -> [{x}]", r) for x in req.extras for r in extras.get(x, [])]
+            found += [(f"{via} -> {r}", Requirement(r)) for via, r in pulled if Requirement(r).name == "torch"]
+    return found
+
+
+def _healthcheck_argv(hc: dict) -> list[str]:
+    test = hc.get("test")
+    if isinstance(test, str):
+        return shlex.split(test)
+    test = list(test or [])
+    if test and test[0] == "CMD-SHELL":
+        return shlex.split(" ".join(test[1:]))
+    if test and test[0] == "CMD":
+        return test[1:]
+    return test
+
+
+def _volumes(svc: dict) -> list[dict]:
+    """Each mount as ``{type, source, target, read_only}`` (short syntax parsed)."""
+    out = []
+    for v in svc.get("volumes") or []:
+        if isinstance(v, dict):
+            out.append(
+                {
+                    "type": v.get("type", "volume"),
+                    "source": v.get("source"),
+                    "target": v.get("target"),
+                    "read_only": bool(v.get("read_only")),
+                }
+            )
+            continue
+        parts = str(v).split(":")
+        if len(parts) == 1:
+            out.append({"type": "volume", "source": None, "target": parts[0], "read_only": False})
+            continue
+        src, target = parts[0], parts[1]
+        mode = parts[2] if len(parts) > 2 else ""
+        kind = "bind" if src.startswith((".", "/", "~")) else "volume"
+        out.append({"type": kind, "source": src, "target": target, "read_only": "ro" in mode.split(",")})
+    return out
+
+
+def _host_path(svc: dict, container_path: str) -> Path | None:
+    """The repository file a container path of ``svc`` shows, through its bind mounts."""
+    p = PurePosixPath(container_path)
+    for m in _volumes(svc):
+        if m["type"] != "bind":
+            continue
+        target = PurePosixPath(m["target"])
+        if p == target or target in p.parents:
+            return (ROOT / m["source"] / p.relative_to(target)).resolve()
+    return None
+
+
+def _field_model(annotation) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _resolve_env_key(key: str, classes: list[type[ServiceConfig]]) -> str | None:
+    """None if ``KILN_<SECTION>__<KEY>`` names a field of one of ``classes``, else why not."""
+    if key == "KILN_CONFIG":
+        return None
+    body = key[len("KILN_") :]
+    parts = body.lower().split("__")
+    if len(parts) < 2 or not all(parts):
+        return f"{key} is not of the form KILN_<SECTION>__<KEY>"
+    section, rest = parts[0], parts[1:]
+    owners = [cls for cls in classes if section in cls.model_fields]
+    if not owners:
+        known = sorted({f for cls in classes for f in cls.model_fields})
+        return f"{key}: no settings class has a section {section!r} (sections: {', '.join(known)})"
+    model = _field_model(owners[0].model_fields[section].annotation)
+    if model is None:
+        return f"{key}: {section!r} is not a settings section"
+    path = section
+    for i, name in enumerate(rest):
+        if model is None:
+            break  # below a dict field any key is data
+        if name not in model.model_fields:
+            return f"{key}: section [{path}] ({model.__name__}) has no field {name!r} (fields: {', '.join(model.model_fields)})"
+        f = model.model_fields[name]
+        path = f"{path}.{name}"
+        model = _field_model(f.annotation)
+        if model is None and i < len(rest) - 1 and getattr(f.annotation, "__origin__", None) is not dict:
+            return f"{key}: {path} is a plain value, it has no sub-keys"
+    return None
+
+
+def _kiln_env(svc: dict) -> dict[str, str]:
+    return {k: v for k, v in _env(svc).items() if k.startswith("KILN_")}
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_every_service_folder_is_a_registered_service(registry):
+    assert SERVICE_FOLDERS, f"no service folders with a pyproject.toml under {SERVICES_DIR}"
+    assert sorted(registry) == SERVICE_FOLDERS, (
+        f"services/ folders {SERVICE_FOLDERS} and the installed kiln.services entry points {sorted(registry)} "
+        "differ: each folder must register a service of the same name (pip install -e services/<name>)"
+    )
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_service_is_built_from_its_dockerfile(compose, folder):
+    svc = _service(compose, folder)
+    built = _build(svc)
+    assert built, f"compose service {folder!r} has no `build:` section"
+    context, dockerfile = built
+    assert context == ROOT, f"compose service {folder!r} builds with context {context}, expected the repository root"
+    assert dockerfile == _dockerfile(folder).resolve(), (
+        f"compose service {folder!r} builds {dockerfile.relative_to(ROOT)}, expected services/{folder}/Dockerfile"
+    )
+    assert dockerfile.is_file(), f"compose service {folder!r}: {dockerfile.relative_to(ROOT)} does not exist"
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_dockerfile_copies_only_shared_and_its_own_folder(folder):
+    path = _dockerfile(folder)
+    assert path.is_file(), f"services/{folder}/Dockerfile does not exist"
+    own = f"services/{folder}"
+    copied = []
+    for instr, args in _instructions(path):
+        if instr not in ("COPY", "ADD"):
+            continue
+        sources, from_stage = _copy_sources(args)
+        if from_stage:
+            continue  # from another build stage, not from the build context
+        for src in sources:
+            n = _norm(src)
+            ok = n == "shared" or n.startswith("shared/") or n == own or n.startswith(own + "/")
+            assert ok, (
+                f"services/{folder}/Dockerfile: `{instr} {args}` copies {src!r} from the build context; "
+                f"only shared/ and {own}/ may be copied"
+            )
+            copied.append(n)
+    assert any(n == "shared" or n.startswith("shared/") for n in copied), f"services/{folder}/Dockerfile never copies shared/"
+    assert any(n == own or n.startswith(own + "/") for n in copied), f"services/{folder}/Dockerfile never copies {own}/"
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_dockerfile_base_install_user_and_command(folder, registry):
+    path = _dockerfile(folder)
+    instrs = _instructions(path)
+    froms = [a for i, a in instrs if i == "FROM"]
+    assert froms and froms[0].split()[0] == "python:3.11-slim", (
+        f"services/{folder}/Dockerfile starts FROM {froms[0] if froms else 'nothing'!r}, expected python:3.11-slim"
+    )
+    installs = [a for i, a in instrs if i == "RUN" and "pip install" in a]
+    words = [w.rstrip("/") for a in installs for w in shlex.split(a)]
+    assert any(PurePosixPath(w).name == "shared" for w in words), (
+        f"services/{folder}/Dockerfile: no `pip install` of ./shared"
+    )
+    assert any(w.endswith(f"services/{folder}") for w in words), (
+        f"services/{folder}/Dockerfile: no `pip install` of ./services/{folder}"
+    )
+    users = [a.split(":")[0] for i, a in instrs if i == "USER"]
+    assert users and users[-1] not in ("root", "0"), (
+        f"services/{folder}/Dockerfile runs as root: add a non-root USER after the installs"
+    )
+    cmds = [a for i, a in instrs if i == "CMD"]
+    module = registry[folder].module
+    assert cmds and _exec_form(cmds[-1]) == ["python", "-m", module], (
+        f"services/{folder}/Dockerfile: CMD is {cmds[-1] if cmds else 'missing'}, expected "
+        f'["python", "-m", "{module}"] (the module registered for {folder!r})'
+    )
+
+
+@pytest.mark.parametrize("folder", NO_TORCH)
+def test_torch_free_services_do_not_pull_torch(folder):
+    why = [chain for chain, _ in _torch_via(folder)]
+    assert not why, f"services/{folder}/pyproject.toml pulls torch through {why}; {folder} must stay torch-free"
+    for instr, args in _instructions(_dockerfile(folder)):
+        assert "torch" not in args.lower(), (
+            f"services/{folder}/Dockerfile mentions torch in `{instr} {args}`; {folder}'s image must stay torch-free"
+        )
+
+
+@pytest.mark.parametrize("folder", [f for f in SERVICE_FOLDERS if f not in NO_TORCH])
+def test_torch_services_preinstall_a_cpu_torch_their_packages_accept(folder):
+    why = _torch_via(folder)
+    if not why:
+        pytest.skip(f"{folder} does not depend on torch")
+    instrs = _instructions(_dockerfile(folder))
+    runs = [a for i, a in instrs if i == "RUN"]
+    torch_runs = [n for n, a in enumerate(runs) if re.search(r"pip install .*\btorch==", a)]
+    kiln_runs = [n for n, a in enumerate(runs) if "pip install" in a and f"services/{folder}" in a]
+    assert torch_runs, f"services/{folder}/Dockerfile does not pin torch (`pip install torch==X --index-url .../whl/cpu`)"
+    assert kiln_runs and torch_runs[0] < kiln_runs[0], (
+        f"services/{folder}/Dockerfile must install torch before the kiln packages, or pip pulls the CUDA build from PyPI"
+    )
+    line = runs[torch_runs[0]]
+    assert re.search(r"--(extra-)?index-url\s+\S+/whl/cpu\b", line), (
+        f"services/{folder}/Dockerfile installs torch without the PyTorch CPU index: `{line}`"
+    )
+    pinned = Version(re.search(r"\btorch==([\w.+]+)", line).group(1))
+    for chain, req in why:
+        assert req.specifier.contains(pinned, prereleases=True), (
+            f"services/{folder}/Dockerfile pins torch {pinned}, but {chain} does not accept it"
+        )
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_kiln_service_has_a_healthcheck_on_its_health_file(compose, folder):
+    svc = _service(compose, folder)
+    hc = svc.get("healthcheck")
+    assert isinstance(hc, dict) and not hc.get("disable"), f"compose service {folder!r} has no healthcheck"
+    argv = _healthcheck_argv(hc)
+    assert argv[:2] == ["kiln", "health"], f"compose service {folder!r}: healthcheck runs {argv}, expected `kiln health --file ...`"
+    assert "--file" in argv and argv.index("--file") + 1 < len(argv), f"compose service {folder!r}: healthcheck has no --file"
+    health_file = _env(svc).get("KILN_TELEMETRY__HEALTH_FILE", "")
+    assert health_file, f"compose service {folder!r} sets no KILN_TELEMETRY__HEALTH_FILE, so nothing writes the file its healthcheck reads"
+    checked = argv[argv.index("--file") + 1]
+    assert checked == health_file.replace("{service}", folder), (
+        f"compose service {folder!r}: healthcheck reads {checked} but the service writes {health_file.replace('{service}', folder)}"
+    )
+    if "--max-age" in argv:
+        max_age = float(argv[argv.index("--max-age") + 1])
+        assert max_age > 5, f"compose service {folder!r}: --max-age {max_age} is below the 5 s heartbeat of the health file"
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_kiln_service_waits_for_healthy_nats(compose, folder):
+    deps = _depends(_service(compose, folder))
+    assert deps.get("nats") == "service_healthy", (
+        f"compose service {folder!r} depends on nats with {deps.get('nats', 'no condition (no dependency)')!r}, "
+        "expected condition service_healthy"
+    )
+    assert (_service(compose, "nats").get("healthcheck") or {}).get("test"), "nats has no healthcheck to be healthy by"
+    nats_url = _env(_service(compose, folder)).get("KILN_NATS__URL", "")
+    assert urlsplit(nats_url).hostname == "nats", (
+        f"compose service {folder!r}: KILN_NATS__URL is {nats_url!r}, expected the nats service (nats://nats:4222)"
+    )
+
+
+def test_nats_runs_jetstream_with_a_volume(compose):
+    nats = _service(compose, "nats")
+    cmd = nats.get("command")
+    argv = cmd if isinstance(cmd, list) else shlex.split(cmd or "")
+    assert "-js" in argv or "--jetstream" in argv, f"nats command {argv} does not enable JetStream (-js)"
+    assert "-sd" in argv, f"nats command {argv} sets no store directory (-sd)"
+    store = argv[argv.index("-sd") + 1]
+    assert any(m["target"] == store and m["type"] == "volume" for m in _volumes(nats)), (
+        f"nats stores JetStream in {store} but no named volume is mounted there: streams would not survive a restart"
+    )
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_database_users_get_the_url_and_wait_for_migrate(compose, registry, folder):
+    cls = registry[folder].config_class()
+    svc = _service(compose, folder)
+    env = _env(svc)
+    if "database" not in cls.model_fields:
+        assert "KILN_DATABASE__URL" not in env, (
+            f"compose service {folder!r} gets KILN_DATABASE__URL but {cls.__name__} has no database section"
+        )
+        return
+    assert env.get("KILN_DATABASE__URL"), f"{folder} uses the database ({cls.__name__}.database) but gets no KILN_DATABASE__URL"
+    assert _depends(svc).get(MIGRATE) == "service_completed_successfully", (
+        f"{folder} uses the database but does not depend on {MIGRATE!r} with condition service_completed_successfully"
+    )
+
+
+def test_migrate_upgrades_the_same_database(compose, registry):
+    mig = _service(compose, MIGRATE)
+    cmd = mig.get("command")
+    argv = cmd if isinstance(cmd, list) else shlex.split(cmd or "")
+    assert argv[:3] == ["kiln", "db", "upgrade"], f"{MIGRATE} runs {argv}, expected `kiln db upgrade`"
+    built = _build(mig)
+    assert built and built[1] == _dockerfile("weights").resolve(), f"{MIGRATE} is not built from services/weights/Dockerfile"
+    assert _depends(mig).get("postgres") == "service_healthy", f"{MIGRATE} does not wait for postgres (service_healthy)"
+    assert str(mig.get("restart", "no")) in ("no", "False", "false", "on-failure"), (
+        f"{MIGRATE} is one-shot; restart {mig.get('restart')!r} would rerun it forever"
+    )
+    urls = {MIGRATE: _env(mig).get("KILN_DATABASE__URL", "")}
+    for folder in SERVICE_FOLDERS:
+        if "database" in registry[folder].config_class().model_fields:
+            urls[folder] = _env(_service(compose, folder)).get("KILN_DATABASE__URL", "")
+    assert len(set(urls.values())) == 1, f"services disagree on KILN_DATABASE__URL: {urls}"
+    url = urlsplit(urls[MIGRATE])
+    pg = _env(_service(compose, "postgres"))
+    assert url.scheme.startswith("postgres") and url.hostname == "postgres", f"KILN_DATABASE__URL {urls[MIGRATE]!r} is not the postgres service"
+    assert (url.username, url.password, url.path.lstrip("/")) == (
+        pg.get("POSTGRES_USER"),
+        pg.get("POSTGRES_PASSWORD"),
+        pg.get("POSTGRES_DB"),
+    ), f"KILN_DATABASE__URL {urls[MIGRATE]!r} does not match postgres's POSTGRES_USER/PASSWORD/DB {pg}"
+    hc = _healthcheck_argv(_service(compose, "postgres").get("healthcheck") or {})
+    assert hc[:1] == ["pg_isready"], f"postgres healthcheck is {hc}, expected pg_isready"
+
+
+def test_every_kiln_env_key_is_a_settings_field(compose, registry):
+    classes = [info.config_class() for info in registry.values()]
+    problems = []
+    for name, svc in compose["services"].items():
+        for key in _kiln_env(svc):
+            why = _resolve_env_key(key, classes)
+            if why:
+                problems.append(f"{name}: {why}")
+    assert not problems, "environment keys that no setting reads:\n" + "\n".join(problems)
+
+
+def test_every_kiln_env_key_is_read_by_its_own_service(compose, registry):
+    """Stricter: a key a service's own settings class ignores is silently dropped there."""
+    owners: dict[str, type[ServiceConfig]] = {f: registry[f].config_class() for f in SERVICE_FOLDERS}
+    owners[MIGRATE] = _MigrateConfig
+    problems = []
+    for name, cls in owners.items():
+        for key in _kiln_env(_service(compose, name)):
+            why = _resolve_env_key(key, [cls])
+            if why:
+                problems.append(f"{name} ({cls.__name__}): {why}")
+    assert not problems, "environment keys the receiving service ignores:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("folder", SERVICE_FOLDERS)
+def test_service_config_resolves_from_the_compose_environment(compose, registry, folder, monkeypatch):
+    svc = _service(compose, folder)
+    env = _env(svc)
+    for key in list(os.environ):
+        if key.startswith("KILN_"):
+            monkeypatch.delenv(key)
+    config_file = None
+    for key, val in env.items():
+        if key == "KILN_CONFIG":
+            config_file = _host_path(svc, val)
+            assert config_file, f"{folder}: KILN_CONFIG={val} is not inside any bind mount of the repository"
+        elif key.startswith("KILN_"):
+            monkeypatch.setenv(key, val)
+    cls = registry[folder].config_class()
+    try:
+        cfg = load_config(cls, config_file)
+    except Exception as e:  # the message names the offending setting
+        pytest.fail(f"{folder}: {cls.__name__} does not load from the compose environment and {config_file}: {e}")
+    assert cfg.run.id, f"{folder}: run.id resolves empty; rollout and learner refuse to start without one"
+    assert cfg.run.dir == env.get("KILN_RUN__DIR"), f"{folder}: run.dir resolves to {cfg.run.dir!r}, not KILN_RUN__DIR"
+    assert cfg.nats.url == env.get("KILN_NATS__URL"), f"{folder}: nats.url resolves to {cfg.nats.url!r}, not KILN_NATS__URL"
+    if "database" in cls.model_fields:
+        assert cfg.database.url, f"{folder}: database.url resolves empty"
+
+
+def test_run_data_is_shared_at_run_dir(compose):
+    """Learner stages checkpoints, weights stores versions, rollout reads them, all by
+    absolute path: the same volume must sit at the same path, the run.dir, in each."""
+    sources = {}
+    for name in RUN_DATA_USERS:
+        svc = _service(compose, name)
+        env = _env(svc)
+        run_dir = env.get("KILN_RUN__DIR", "")
+        assert run_dir, f"{name} sets no KILN_RUN__DIR"
+        mounts = [m for m in _volumes(svc) if m["target"] == run_dir]
+        assert mounts and mounts[0]["type"] == "volume" and mounts[0]["source"], (
+            f"{name}: no named volume is mounted at its run.dir {run_dir}"
+        )
+        sources[name] = (mounts[0]["source"], run_dir)
+        if name != "rollout":
+            assert not mounts[0]["read_only"], f"{name} writes under {run_dir} but mounts it read-only"
+        for key in ("KILN_WEIGHTS__STORE_DIR", "KILN_LEARNER__STAGING_DIR"):
+            if env.get(key):
+                p = PurePosixPath(env[key])
+                assert PurePosixPath(run_dir) in p.parents, f"{name}: {key}={p} is outside the shared volume at {run_dir}"
+    assert len(set(sources.values())) == 1, f"weights, learner and rollout must share one volume at one path; they mount {sources}"
+
+
+def test_scalable_services_have_no_fixed_name_or_host_ports(compose):
+    for name in SCALABLE:
+        svc = _service(compose, name)
+        assert "container_name" not in svc, f"{name} has container_name {svc['container_name']!r}: `--scale {name}=N` would fail"
+        assert not svc.get("ports"), f"{name} publishes host ports {svc['ports']}: replicas would collide on them"
+        assert svc.get("network_mode") != "host", f"{name} uses network_mode host: replicas would collide on ports"
+
+
+def _published(port) -> tuple[str | None, str]:
+    """(host ip or None, description) of one ``ports:`` entry."""
+    if isinstance(port, dict):
+        return port.get("host_ip"), str(port)
+    s = str(port).split("/")[0]
+    if s.startswith("["):
+        return s[1 : s.index("]")], str(port)
+    parts = s.split(":")
+    return (parts[0] if len(parts) == 3 else None), str(port)
+
+
+def test_published_ports_bind_loopback_only(compose):
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports") or []:
+            ip, desc = _published(port)
+            assert ip == LOOPBACK, (
+                f"{name}: port {desc!r} is published on {ip or 'every interface'}; bind it to {LOOPBACK} "
+                f"(e.g. \"{LOOPBACK}:PORT:PORT\")"
+            )
+
+
+def test_jaeger_ui_is_published_on_loopback(compose):
+    ports = [_published(p) for p in _service(compose, "jaeger").get("ports") or []]
+    assert any(desc.startswith(f"{LOOPBACK}:16686:") for _, desc in ports), f"jaeger does not publish its UI on {LOOPBACK}:16686 ({ports})"
+
+
+def test_named_volumes_are_declared(compose):
+    declared = set(compose.get("volumes") or {})
+    for name, svc in compose["services"].items():
+        for m in _volumes(svc):
+            if m["type"] == "volume" and m["source"]:
+                assert m["source"] in declared, (
+                    f"{name} mounts named volume {m['source']!r} which the top-level `volumes:` does not declare"
+                )
+
+
+def test_bind_mounts_exist_in_the_repository(compose):
+    for name, svc in compose["services"].items():
+        for m in _volumes(svc):
+            if m["type"] == "bind":
+                host = (ROOT / m["source"]).resolve()
+                assert host.exists(), f"{name} bind-mounts {m['source']} which does not exist in the repository"
+                assert ROOT in host.parents or host == ROOT, f"{name} bind-mounts {m['source']}, outside the repository"
+
+
+def test_kiln_config_file_exists_in_the_repository(compose):
+    seen = 0
+    for name, svc in compose["services"].items():
+        value = _env(svc).get("KILN_CONFIG")
+        if value is None:
+            continue
+        seen += 1
+        host = _host_path(svc, value)
+        assert host, f"{name}: KILN_CONFIG={value} is not inside any bind mount of the repository"
+        assert host.is_file(), f"{name}: KILN_CONFIG={value} is {host.relative_to(ROOT)} on the host, which does not exist"
+        load_toml(host)  # parses, includes resolved
+    assert seen, "no service sets KILN_CONFIG: the experiment file is never read"
+
+
+def test_urls_point_at_compose_services(compose):
+    names = set(compose["services"])
+    for name, svc in compose["services"].items():
+        for key, val in _kiln_env(svc).items():
+            url = urlsplit(val)
+            if url.scheme and url.netloc and url.hostname:
+                assert url.hostname in names, f"{name}: {key}={val} points at host {url.hostname!r}, which is no compose service"
+
+
+def test_dockerignore_keeps_local_state_out_of_the_context():
+    path = ROOT / ".dockerignore"
+    assert path.is_file(), ".dockerignore is missing: .venv and runs/ would be sent as build context"
+    patterns = {line.strip().rstrip("/") for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for want in (".venv", "runs", ".git", "**/__pycache__", "**/*.egg-info"):
+        assert want in patterns, f".dockerignore does not exclude {want!r} (patterns: {sorted(patterns)})"
+
+
+def test_docker_compose_accepts_the_file():
+    docker = shutil.which("docker")
+    if not docker or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("the docker compose plugin is not installed")
+    r = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, f"docker compose config rejects docker-compose.yml:\n{r.stderr}"

@@ -1,0 +1,162 @@
+"""env-pool over a real nats-server (the ``process`` backend of the skeleton): the
+sandbox lifecycle, command limits, the tools and their errors, backpressure, lease
+reaping, and two nodes sharing the queue group while calls reach each sandbox's owner."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kiln.shared import contracts as c
+from kiln.shared.bus import RemoteError
+from kiln.shared.envpool_client import EnvPoolClient
+
+from harness import InProcessPlatform, experiment, wait_for
+
+
+@pytest.fixture
+async def envpool(nats_server, run_dir):
+    exp = experiment(run_dir, nats_server.url, "sqlite://", envpool={"max_sandboxes": 3, "reap_interval_s": 0.2, "output_limit_bytes": 2000})
+    p = InProcessPlatform(exp)
+    await p.start("env-pool", instance="node-a")
+    yield p
+    await p.stop_all()
+
+
+def call(name, **args) -> c.ToolCall:
+    return c.ToolCall(id=f"{name}-{time.monotonic_ns()}", name=name, arguments=args)
+
+
+async def test_lifecycle_exec_and_limits(envpool, bus):
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    assert ref.node_id == "node-a"
+    r = await pool.exec(ref, "ls; echo err >&2; exit 3", 10)
+    assert r.exit_code == 3 and "calc.py" in r.stdout and "test_calc.py" in r.stdout and r.stderr.strip() == "err"
+    r = await pool.exec(ref, "env", 10)
+    assert "NATS" not in r.stdout and "KILN" not in r.stdout and "HOME=" in r.stdout  # cleared environment
+
+    # A timeout kills the whole process group, background children included.
+    t0 = time.monotonic()
+    r = await pool.exec(ref, "sleep 100 & sleep 100; echo never", 0.5)
+    assert r.timed_out and r.exit_code == -9 and time.monotonic() - t0 < 5 and "never" not in r.stdout
+    assert "timeout" in r.stderr
+    # Output is capped: head and tail kept, the cut marked.
+    r = await pool.exec(ref, "echo START; yes x | head -c 200000; echo; echo END", 10)
+    assert r.truncated and r.stdout.startswith("START") and r.stdout.rstrip().endswith("END") and "truncated" in r.stdout
+    assert len(r.stdout) < 3000
+
+    assert await pool.destroy(ref) is True
+    assert await pool.destroy(ref) is False
+    with pytest.raises(RemoteError) as e:
+        await pool.exec(ref, "true", 5)
+    assert e.value.code == "not_found"
+
+
+async def test_tools_and_their_errors(envpool, bus):
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    calls = [
+            call("read_file", path="calc.py"),
+            call("read_file", path="calc.py", start_line=2, end_line=2),
+            call("list_dir"),
+            call("edit_file", path="calc.py", old="a - b", new="a + b"),
+            call("edit_file", path="calc.py", old="not there", new="x"),
+            call("edit_file", path="test_calc.py", old="self", new="x"),
+            call("edit_file", path="new/mod.py", old="", new="X = 1\n"),
+            call("write_file", path="notes.txt", content="hello"),
+            call("run_terminal_cmd", command="python3 -m unittest -q test_calc 2>&1 | tail -1; cat new/mod.py notes.txt"),
+            call("read_file", path="../../etc/passwd"),
+            call("read_file", path="/etc/passwd"),
+            call("read_file", path="missing.py"),
+            call("run_terminal_cmd", command="ln -s /etc escape"),
+            call("read_file", path="escape/passwd"),
+            call("frobnicate", x=1),
+            call("read_file", paht="calc.py"),
+    ]
+    res = await pool.tools(ref, calls)
+    assert [r.call_id for r in res] == [cl.id for cl in calls]
+    out = [(r.output, r.error) for r in res]
+    assert out[0][0] == "def add(a, b):\n    return a - b\n"
+    assert out[1][0] == "    return a - b\n"
+    assert out[2][0].split("\n") == ["calc.py", "test_calc.py"]
+    assert out[3] == ("edited calc.py", None)
+    assert "not found" in out[4][1]
+    assert "occurs" in out[5][1] and "unique" in out[5][1]
+    assert out[6][0] == "created new/mod.py"
+    assert out[7][0].startswith("wrote 5")
+    assert "OK" in out[8][0] and "X = 1" in out[8][0] and "hello" in out[8][0]
+    assert "'..'" in out[9][1]
+    assert "relative" in out[10][1]
+    assert "no such file" in out[11][1]
+    assert "outside the workspace" in out[13][1]
+    assert "unknown tool" in out[14][1]
+    assert "bad arguments" in out[15][1]
+
+
+async def test_batch_results_come_back_in_call_order(envpool, bus):
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    calls = [
+        call("run_terminal_cmd", command="sleep 0.3; echo first > order.txt"),
+        call("read_file", path="order.txt"),
+        call("run_terminal_cmd", command="echo second >> order.txt"),
+        call("read_file", path="order.txt"),
+    ]
+    res = await pool.tools(ref, calls)
+    assert [r.call_id for r in res] == [cl.id for cl in calls]
+    assert res[1].output == "first\n"  # the write ran before the read that follows it
+    assert res[3].output == "first\nsecond\n"
+
+
+async def test_pool_exhaustion_is_immediate_and_clear(envpool, bus):
+    pool = EnvPoolClient(bus)
+    refs = [await pool.create("fix-calc") for _ in range(3)]
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as e:
+        await pool.create("fix-calc")
+    assert e.value.code == "pool_exhausted" and "3 of 3" in e.value.message and time.monotonic() - t0 < 2
+    with pytest.raises(RemoteError) as e:
+        await pool.create("no-such-task")
+    assert e.value.code in ("unknown_task", "pool_exhausted")
+    await pool.destroy(refs[0])
+    await pool.create("fix-calc")  # room again
+
+
+async def test_expired_leases_are_reaped(envpool, bus):
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc", ttl_s=0.3)
+    keep = await pool.create("fix-calc", ttl_s=600)
+
+    async def gone():
+        try:
+            await pool.exec(ref, "true", 5)
+            return False
+        except RemoteError as e:
+            return e.code == "not_found"
+
+    await wait_for(gone, 10, 0.2, "lease reaped")
+    assert (await pool.exec(keep, "echo alive", 5)).stdout == "alive\n"
+
+
+async def test_two_nodes_share_creates_and_route_to_owners(envpool, bus):
+    await envpool.start("env-pool", instance="node-b")
+    pool = EnvPoolClient(bus)
+    refs = []
+    for _ in range(40):
+        ref = await pool.create("fix-calc")
+        if ref.node_id in {r.node_id for r in refs}:
+            await pool.destroy(ref)
+        else:
+            refs.append(ref)
+        if len(refs) == 2:
+            break
+    assert {r.node_id for r in refs} == {"node-a", "node-b"}, "the queue group never used both nodes"
+    for r in refs:
+        out = await pool.exec(r, "pwd", 5)
+        assert out.stdout.strip().endswith(r.sandbox_id), "a call reached a node that does not own the sandbox"
+    health = await bus.request(f"{c.HEALTH_PREFIX}.env-pool", c.HealthProbe(), c.HealthReply)
+    assert health.service == "env-pool" and health.detail["ready"] is True
+    await asyncio.gather(*(pool.destroy(r) for r in refs))

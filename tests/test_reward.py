@@ -1,0 +1,191 @@
+"""reward against real env-pool sandboxes, a real nats-server and PostgreSQL: scores
+from real test runs, infra errors kept apart from failures, idempotent re-delivery,
+and a reward process killed mid-scoring whose message is redelivered to its successor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import nats.errors
+import pytest
+from sqlalchemy import select
+
+from kiln.shared import contracts as c
+from kiln.shared.db import Database, Run, TrajectoryRecord
+from kiln.shared.envpool_client import EnvPoolClient
+from kiln.shared.tasks import load_suite
+
+from harness import InProcessPlatform, experiment, wait_for
+
+BASE = load_suite("builtin").get("fix-calc")
+
+
+def write_suite(path, test_command: str | None = None, timeout_s: float = 30.0):
+    t = BASE.model_copy(update={"timeout_s": timeout_s, **({"test_command": test_command} if test_command else {})})
+    path.write_text(json.dumps(t.model_dump()) + "\n")
+    return str(path)
+
+
+def trajectory(run_id: str, sandbox: c.SandboxRef | None, tid: str = "g1-s0", status=c.TrajectoryStatus.FINISHED, why=None):
+    return c.Trajectory(
+        run_id=run_id,
+        trajectory_id=tid,
+        group_id="g1",
+        task_id=BASE.id,
+        sample_index=0,
+        dispatch_version=0,
+        status=status,
+        infra_error=why,
+        token_ids=[1, 2, 3],
+        logprobs=[0.0, -1.0, -2.0],
+        token_versions=[-1, 0, 0],
+        loss_mask=[0, 1, 1],
+        sandbox=sandbox,
+    )
+
+
+async def scored_messages(bus, n: int, timeout: float = 30.0) -> list[c.ScoredTrajectory]:
+    """Take ``n`` scored trajectories the way the learner would (no learner runs here)."""
+    await bus.ensure_consumer(c.LEARNER)
+    sub = await bus.js.pull_subscribe_bind(durable=c.LEARNER.durable, stream=c.LEARNER.stream)
+    out, end = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        try:
+            msgs = await sub.fetch(n - len(out), timeout=1)
+        except nats.errors.TimeoutError:
+            continue
+        for m in msgs:
+            out.append(c.ScoredTrajectory.model_validate_json(m.data))
+            await m.ack()
+    await sub.unsubscribe()
+    return out
+
+
+async def add_run(db_url: str, run_id: str) -> None:
+    db = Database(db_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    await db.close()
+
+
+@pytest.fixture
+async def platform(nats_server, pg_url, run_dir, tmp_path):
+    exp = experiment(run_dir, nats_server.url, pg_url, tasks={"suite": write_suite(tmp_path / "suite.jsonl", timeout_s=2.0)})
+    p = InProcessPlatform(exp)
+    await add_run(pg_url, p.config("reward").run.id)
+    yield p
+    await p.stop_all()
+
+
+async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
+    run_id = platform.config("reward").run.id
+    await platform.start("env-pool")
+    await platform.start("reward")
+    pool = EnvPoolClient(bus)
+
+    fixed = await pool.create(BASE.id)  # the agent fixed the bug
+    await pool.tools(fixed, [c.ToolCall(id="1", name="edit_file", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})])
+    broken = await pool.create(BASE.id)  # untouched: the bug is still there
+    cheat = await pool.create(BASE.id)  # "fixed" the tests instead of the code
+    await pool.tools(cheat, [c.ToolCall(id="1", name="write_file", arguments={"path": "test_calc.py", "content": "print('ok')"})])
+    hang = await pool.create(BASE.id)  # the agent's code never returns
+    await pool.tools(hang, [c.ToolCall(id="1", name="write_file", arguments={"path": "calc.py", "content": "def add(a, b):\n    while True: pass\n"})])
+    lost = c.SandboxRef(node_id=fixed.node_id, sandbox_id="sb-gone")
+
+    cases = {
+        "fixed": fixed, "broken": broken, "cheat": cheat, "hang": hang, "lost": lost,
+    }
+    for name, ref in cases.items():
+        await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, ref, tid=f"g1-{name}"), msg_id=f"g1-{name}")
+    await bus.publish(
+        c.TRAJECTORY_FINISHED,
+        trajectory(run_id, None, "g1-infra", c.TrajectoryStatus.INFRA_ERROR, "sandbox create failed"),
+        msg_id="g1-infra",
+    )
+    got = {s.trajectory.trajectory_id.removeprefix("g1-"): s for s in await scored_messages(bus, 6)}
+    assert set(got) == {"fixed", "broken", "cheat", "hang", "lost", "infra"}
+    assert got["fixed"].reward == 1.0 and got["fixed"].passed and got["fixed"].infra_error is None
+    assert got["broken"].reward == 0.0 and not got["broken"].passed and got["broken"].infra_error is None
+    assert got["broken"].tests[BASE.fail_to_pass[0]] == c.CaseStatus.FAILED
+    assert got["cheat"].reward == 0.0 and got["cheat"].infra_error is None  # tests restored before scoring
+    assert got["hang"].reward == 0.0 and got["hang"].infra_error is None
+    assert "timeout" in got["hang"].test_output
+    assert got["lost"].infra_error and "does not exist" in got["lost"].infra_error
+    assert got["infra"].infra_error == "sandbox create failed"
+
+    # Redelivering an already-scored trajectory republishes its record: nothing re-runs
+    # (its sandbox is gone) and the learner sees it once (same Nats-Msg-Id).
+    await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, fixed, tid="g1-fixed"), msg_id="g1-fixed-again")
+    db = Database(pg_url)
+    try:
+        async def rows():
+            async with db.session() as s:
+                return (await s.scalars(select(TrajectoryRecord))).all()
+
+        await wait_for(lambda: _consumer_idle(bus), 20, 0.2, "reward idle")
+        recs = {r.trajectory_id: r for r in await rows()}
+        assert len(recs) == 6 and recs["g1-fixed"].reward == 1.0 and recs["g1-lost"].infra_error
+        assert await scored_messages(bus, 1, timeout=2) == [], "the redelivery reached the learner twice"
+    finally:
+        await db.close()
+
+
+async def _consumer_idle(bus) -> bool:
+    info = await bus.consumer_info(c.REWARD_WORKERS)
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_url, run_dir, tmp_path):
+    suite = write_suite(tmp_path / "slow.jsonl", test_command=f"sleep 4; {BASE.test_command}")
+    exp = experiment(
+        run_dir, nats_server.url, pg_url, tasks={"suite": suite}, nats={"ack_wait_s": {"reward-workers": 2.0}}
+    )
+    platform = InProcessPlatform(exp)
+    run_id = platform.config("reward").run.id
+    await add_run(pg_url, run_id)
+    await platform.start("env-pool")
+    try:
+        ref = await EnvPoolClient(bus).create(BASE.id)
+        await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, ref), msg_id="g1-s0")
+
+        def reward_process(tag: str) -> subprocess.Popen:
+            return subprocess.Popen(
+                [sys.executable, "-m", "kiln.reward.main", "--config", str(exp), "--instance", tag],
+                stdout=open(run_dir / f"{tag}.log", "wb"),
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "KILN_CONFIG": str(exp)},
+            )
+
+        first = reward_process("reward-a")
+        try:
+            async def taken():
+                info = await bus.consumer_info(c.REWARD_WORKERS)
+                return info.num_ack_pending == 1
+
+            await wait_for(taken, 60, 0.1, "first reward process took the trajectory")
+            await asyncio.sleep(0.5)  # it is now inside the 4 s test run
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+        assert (await bus.js.stream_info("KILN_SCORED")).state.messages == 0
+
+        second = reward_process("reward-b")
+        try:
+            (scored,) = await scored_messages(bus, 1, timeout=60)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            # Wait off the event loop: the in-process env-pool must keep answering meanwhile.
+            await asyncio.to_thread(second.wait, 20)
+        assert scored.trajectory.trajectory_id == "g1-s0"
+        assert scored.infra_error is None and scored.reward == 0.0  # scored for real: the bug is unfixed
+        info = await bus.consumer_info(c.REWARD_WORKERS)
+        assert info.delivered.consumer_seq == 2, "the trajectory should have been delivered exactly twice"
+        assert info.num_ack_pending == 0
+    finally:
+        await platform.stop_all()
