@@ -57,22 +57,22 @@ def render_tool_results(results: list[str]) -> str:
 
 
 CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'system' -%}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
     "<|im_start|>system\n{{ m.content }}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n</tools>\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-    "{%- elif m.role == 'user' -%}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
-    "{%- elif m.role == 'assistant' -%}<|im_start|>assistant\n{{ m.content }}<|im_end|>\n"
-    "{%- elif m.role == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|im_start|>user\n{%- else -%}\n{%- endif -%}"
+    "{% elif m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user\n{% else %}\n{% endif %}"
     "<tool_response>\n{{ m.content }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}<|im_end|>\n{%- endif -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """Jinja form of the renderers (``tojson`` as in HF: ``json.dumps(x, ensure_ascii=False)``)."""
 

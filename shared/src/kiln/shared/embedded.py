@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,11 +110,16 @@ class PostgresServer:
 
     PostgreSQL refuses to run as root, so as root the server runs as the ``postgres``
     system user (created by ``scripts/setup.sh``); trust auth is safe because it only
-    listens on loopback and a private socket directory.
+    listens on loopback and a private socket directory. When ``postgres`` cannot reach
+    ``base_dir`` (say, under a 0700 home), the cluster lives in a fresh folder under the
+    system temp dir and ``base_dir/LOCATION`` points to it, so a later ``start`` on the
+    same ``base_dir`` finds it again.
     """
 
     def __init__(self, base_dir: str | os.PathLike, port: int | None = None, dbname: str = "kiln"):
-        self.base = Path(base_dir).resolve()
+        self.requested = Path(base_dir).resolve()
+        location = self.requested / "LOCATION"
+        self.base = Path(location.read_text().strip()) if location.is_file() else self.requested
         self.port = port or free_port()
         self.dbname = dbname
         self.bindir = postgres_bindir()
@@ -135,15 +141,19 @@ class PostgresServer:
         return subprocess.run(cmd, capture_output=True, text=True)
 
     def start(self) -> PostgresServer:
-        data = self.base / "data"
         self.base.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0:
             try:
                 pw = pwd.getpwnam("postgres")
             except KeyError as e:
                 raise RuntimeError("running as root needs a `postgres` system user (scripts/setup.sh creates it)") from e
+            if not self._reachable():
+                self.base = Path(tempfile.mkdtemp(prefix="kiln-pg-"))
+                (self.requested / "LOCATION").write_text(str(self.base))
+                log.info("the postgres user cannot reach %s; the cluster lives in %s", self.requested, self.base)
             for p in (self.base, *self.base.rglob("*")):
                 os.chown(p, pw.pw_uid, pw.pw_gid)
+        data = self.base / "data"
         if not (data / "PG_VERSION").exists():
             r = self._run("initdb", "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale")
             if r.returncode:
@@ -157,6 +167,9 @@ class PostgresServer:
         self._create_db()
         return self
 
+    def _reachable(self) -> bool:
+        return subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x", str(self.base.parent)]).returncode == 0
+
     def _create_db(self) -> None:
         import psycopg
 
@@ -169,3 +182,7 @@ class PostgresServer:
         if self._started:
             self._started = False
             self._run("pg_ctl", "-D", str(self.base / "data"), "-m", "fast", "-w", "stop")
+
+    @property
+    def data_dir(self) -> Path:
+        return self.base / "data"

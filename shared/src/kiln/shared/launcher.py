@@ -275,7 +275,7 @@ class LocalPlatform:
             f"  logs:     {self.run_dir / 'logs'}",
             f"  traces:   {self.run_dir / 'traces'}",
             f"  weights:  {self.run_dir / 'weights'}",
-            f"  database: {cfg.database.url}" + (" (embedded, stopped; start it again with pg_ctl -D " + str(self.run_dir / 'db' / 'pg' / 'data') + ")" if self.pg else ""),
+            f"  database: {cfg.database.url}" + (f" (embedded, stopped; its data: {self.pg.data_dir})" if self.pg else ""),
         ]
         return "\n".join(lines)
 

@@ -1,0 +1,122 @@
+"""The agent loop with a scripted engine (its logic) against a real env-pool over a
+real nats-server: multi-turn tool use, parallel calls, malformed calls as
+observations, token bookkeeping and loss masks, budgets and infra errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from opentelemetry import trace
+
+from kiln.shared import chat
+from kiln.shared import contracts as c
+from kiln.shared.envpool_client import EnvPoolClient
+from kiln.shared.model.tokenizer import train_tokenizer
+from kiln.shared.tasks import load_suite
+
+from kiln.learner.policy import tokenizer_corpus
+from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.config import RolloutSettings
+from kiln.rollout.engine import Generation, InferenceEngine
+
+from harness import InProcessPlatform, experiment
+
+SUITE = load_suite("builtin")
+TASK = SUITE.get("fix-calc")
+TOK = train_tokenizer(tokenizer_corpus(SUITE, 1), 1024)
+
+
+class ScriptedEngine(InferenceEngine):
+    """Plays back fixed assistant turns, token by token as a model would emit them."""
+
+    def __init__(self, turns: list[str], version: int = 7):
+        self.turns = list(turns)
+        self.version = version
+        self.prompts: list[list[int]] = []
+
+    async def load(self, version, folder):
+        self.version = version
+
+    async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
+        self.prompts.append(list(prompt_ids))
+        ids = TOK.encode(self.turns.pop(0), add_special_tokens=False).ids
+        if len(ids) > max_new_tokens:
+            ids, finish = ids[:max_new_tokens], "length"
+        else:
+            finish = "stop" if ids and ids[-1] in stop_ids else "length"
+        return Generation(ids, [-0.25] * len(ids), self.version, finish)
+
+
+def tool_call(name, **args) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def request(**kw) -> c.RolloutRequest:
+    return c.RolloutRequest(run_id="r", group_id="g0", task_id=TASK.id, n_samples=1, dispatch_version=7,
+                            deadline=kw.pop("deadline", time.time() + 60), **kw)
+
+
+@pytest.fixture
+async def envpool(nats_server, bus, run_dir):
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
+    await p.start("env-pool")
+    yield EnvPoolClient(bus)
+    await p.stop_all()
+
+
+async def episode(engine, envpool, **settings):
+    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
+    return await run_episode(spec, engine, TOK, envpool, RolloutSettings(**settings), trace.get_tracer("t"))
+
+
+async def test_multi_turn_episode_fixes_the_bug(envpool):
+    engine = ScriptedEngine([
+        "Let me look." + tool_call("read_file", path="calc.py") + tool_call("list_dir") + "<tool_call>{oops</tool_call>" + chat.EOS,
+        tool_call("edit_file", path="calc.py", old="a - b", new="a + b") + tool_call("frobnicate") + chat.EOS,
+        tool_call("run_terminal_cmd", command=TASK.test_command) + chat.EOS,
+        "Fixed: add now returns the sum." + chat.EOS,
+    ])
+    t = await episode(engine, envpool, max_turns=6)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "no_tool_call" and t.num_turns == 4
+    assert t.malformed_tool_calls == 2  # bad JSON, unknown tool
+    roles = [m.role for m in t.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "tool", "assistant", "tool", "tool", "assistant", "tool", "assistant"]
+    tools = [m.content for m in t.messages if m.role == "tool"]
+    assert tools[0] == TASK.files["calc.py"] and tools[1] == "calc.py\ntest_calc.py"
+    assert "not valid JSON" in json.loads(tools[2])["error"]
+    assert tools[3] == "edited calc.py" and "unknown tool" in json.loads(tools[4])["error"]
+    assert "exit code: 0" in tools[5] and "OK" in tools[5]
+
+    # Token bookkeeping: exactly the generated tokens are trained, each with its logprob and version.
+    gen = [i for i, m in enumerate(t.loss_mask) if m]
+    assert [t.token_versions[i] for i in gen] == [7] * len(gen)
+    assert all(t.logprobs[i] == -0.25 for i in gen)
+    assert all(t.token_versions[i] == -1 and t.logprobs[i] == 0.0 for i, m in enumerate(t.loss_mask) if not m)
+    # What the engine saw at each turn is a prefix of the final sequence (nothing re-tokenized).
+    for prompt in engine.prompts:
+        assert t.token_ids[: len(prompt)] == prompt
+    text = TOK.decode(t.token_ids, skip_special_tokens=False)
+    assert "<tool_response>\ndef add(a, b):" in text and text.count("<|im_start|>assistant\n") == 4
+
+    # The sandbox holds the fixed workspace for reward.
+    r = await envpool.exec(t.sandbox, TASK.test_command, 30)
+    assert r.exit_code == 0
+
+
+async def test_budgets_end_the_episode(envpool):
+    looping = [tool_call("list_dir") + chat.EOS] * 10
+    t = await episode(ScriptedEngine(list(looping)), envpool, max_turns=3)
+    assert t.finish_reason == "max_turns" and t.num_turns == 3
+    t = await episode(ScriptedEngine(["x" * 400]), envpool, max_turns=3, max_new_tokens=8)
+    assert sum(t.loss_mask) == 8  # cut at the per-turn budget, then closed with a masked EOS
+    long_prompt = len(TOK.encode(chat.render_system(chat.SYSTEM_PROMPT, []), add_special_tokens=False).ids)
+    t = await episode(ScriptedEngine(list(looping)), envpool, max_turns=5, max_total_tokens=long_prompt)
+    assert t.finish_reason == "max_tokens" and t.num_turns == 0
+
+
+async def test_unknown_task_sandbox_is_an_infra_error(envpool):
+    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK.model_copy(update={"id": "nope"}), worker_id="w", seed=1, temperature=1.0)
+    t = await run_episode(spec, ScriptedEngine(["hi" + chat.EOS]), TOK, envpool, RolloutSettings(), trace.get_tracer("t"))
+    assert t.status == c.TrajectoryStatus.INFRA_ERROR and "unknown_task" in t.infra_error and t.sandbox is None

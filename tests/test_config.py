@@ -1,0 +1,74 @@
+"""Configuration: experiment files with includes, environment and CLI overrides in the
+documented order, every field documented, and `kiln config show` printing it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from kiln.shared.config import load_config, parse_overrides
+from kiln.shared.launcher import LauncherConfig
+from kiln.shared.registry import discover
+
+from kiln.rollout.config import RolloutConfig
+
+
+def test_precedence_file_env_override(tmp_path, monkeypatch):
+    (tmp_path / "base.toml").write_text('[rollout]\nmax_turns = 2\nmax_new_tokens = 10\n[run]\nname = "base"\n')
+    exp = tmp_path / "exp.toml"
+    exp.write_text('include = ["base.toml"]\n[rollout]\nmax_turns = 3\n[learner]\nlr = 1.0\n')
+    cfg = load_config(RolloutConfig, exp)
+    assert (cfg.rollout.max_turns, cfg.rollout.max_new_tokens, cfg.run.name) == (3, 10, "base")
+    monkeypatch.setenv("KILN_ROLLOUT__MAX_NEW_TOKENS", "20")
+    monkeypatch.setenv("KILN_RUN__NAME", "from-env")
+    cfg = load_config(RolloutConfig, exp)
+    assert (cfg.rollout.max_new_tokens, cfg.run.name) == (20, "from-env")
+    cfg = load_config(RolloutConfig, exp, ["rollout.max_new_tokens=30", "nats.ack_wait_s={reward-workers = 2.5}"])
+    assert cfg.rollout.max_new_tokens == 30 and cfg.nats.ack_wait_s == {"reward-workers": 2.5}
+    monkeypatch.setenv("KILN_CONFIG", str(exp))
+    assert load_config(RolloutConfig).rollout.max_turns == 3
+
+
+def test_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout]\nmax_turnz = 3\n")
+    with pytest.raises(ValidationError, match="max_turnz"):
+        load_config(RolloutConfig, bad)
+    loop = tmp_path / "loop.toml"
+    loop.write_text('include = ["loop.toml"]\n')
+    with pytest.raises(ValueError, match="include cycle"):
+        load_config(RolloutConfig, loop)
+    with pytest.raises(FileNotFoundError):
+        load_config(RolloutConfig, tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="section.key=value"):
+        parse_overrides(["no-equals-sign"])
+
+
+def _fields(model: type[BaseModel], prefix=""):
+    for name, f in model.model_fields.items():
+        yield f"{prefix}{name}", f
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            yield from _fields(f.annotation, f"{prefix}{name}.")
+
+
+@pytest.mark.parametrize("name", ["kiln run", *discover()])
+def test_every_field_is_documented(name):
+    cls = LauncherConfig if name == "kiln run" else discover()[name].config_class()
+    undocumented = [n for n, f in _fields(cls) if not (f.description or "").strip()]
+    assert not undocumented, f"{name}: fields without a docstring: {undocumented}"
+
+
+def test_config_show_prints_resolved_values(tmp_path):
+    exp = tmp_path / "exp.toml"
+    exp.write_text("[rollout]\nmax_turns = 7\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "rollout", "--config", str(exp),
+         "--set", "algorithm.steps=9"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert "# ---- rollout ----" in out and "max_turns = 7" in out and "steps = 9" in out
+    bad = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown service" in bad.stderr
