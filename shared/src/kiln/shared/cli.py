@@ -108,9 +108,33 @@ def cmd_tasks(a) -> int:
     return 0
 
 
-def cmd_topology(_a) -> int:
+def topology_markdown() -> str:
+    """Streams, consumers and request/reply subjects as tables (docs/architecture.md embeds it)."""
     from kiln.shared import contracts as c
 
+    msg_of = {subj: cls.__name__ for subj, cls in c.SUBJECT_MESSAGES.items()}
+    out = ["| stream | retention | subjects | message | holds |", "|---|---|---|---|---|"]
+    for s in c.STREAMS:
+        subjects = ", ".join(f"`{x}`" for x in s.subjects)
+        msgs = ", ".join(dict.fromkeys(msg_of.get(x, "raw bytes + reason headers") for x in s.subjects))
+        out.append(f"| `{s.name}` | {s.retention.value} | {subjects} | {msgs} | {s.description} |")
+    out += ["", "| durable consumer | stream | filter | ack wait | max deliver | used by |", "|---|---|---|---|---|---|"]
+    for k in c.CONSUMERS:
+        out.append(f"| `{k.durable}` | `{k.stream}` | `{k.filter_subject}` | {k.ack_wait_s:g} s | {k.max_deliver} | {k.description} |")
+    out += ["", "| request/reply subject | request -> reply | served by |", "|---|---|---|"]
+    out.append(f"| `{c.ENVPOOL_CREATE}` | SandboxCreate -> SandboxCreated | any env-pool node (queue group `{c.ENVPOOL_QUEUE}`) |")
+    for op, (req, rep) in c.ENVPOOL_NODE_MESSAGES.items():
+        out.append(f"| `kiln.envpool.node.<node_id>.{op}` | {req.__name__} -> {rep.__name__} | the node that owns the sandbox |")
+    out.append(f"| `{c.HEALTH_PREFIX}.<service>` | HealthProbe -> HealthReply | every instance of the service |")
+    return "\n".join(out) + "\n"
+
+
+def cmd_topology(a) -> int:
+    from kiln.shared import contracts as c
+
+    if a.markdown:
+        print(topology_markdown(), end="")
+        return 0
     for s in c.STREAMS:
         print(f"stream {s.name:18s} {s.retention.value:9s} {', '.join(s.subjects)}")
     for k in c.CONSUMERS:
@@ -153,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("action", choices=["list", "validate"])
     t.add_argument("--suite", default="builtin")
     t.set_defaults(fn=cmd_tasks)
-    sub.add_parser("topology", help="print streams, consumers and subjects").set_defaults(fn=cmd_topology)
+    topo = sub.add_parser("topology", help="print streams, consumers and subjects")
+    topo.add_argument("--markdown", action="store_true", help="as the tables of docs/architecture.md")
+    topo.set_defaults(fn=cmd_topology)
     h = sub.add_parser("health", help="exit 0 if a service's liveness file is fresh")
     h.add_argument("--file", required=True)
     h.add_argument("--max-age", type=float, default=30.0)

@@ -123,17 +123,17 @@ class ModelSettings(Section):
 class AlgorithmSettings(Section):
     """The RL algorithm: read by the controller, the learner and rollout alike."""
 
-    steps: int = 3
+    steps: int = Field(default=3, ge=1)
     """Optimizer steps in the run; the run ends once version ``steps`` is published."""
-    groups_per_step: int = 2
+    groups_per_step: int = Field(default=2, ge=1)
     """Groups (tasks) in one training batch."""
-    samples_per_group: int = 4
+    samples_per_group: int = Field(default=4, ge=1)
     """Rollouts per group (the G of GRPO)."""
-    max_staleness: int = 0
+    max_staleness: int = Field(default=0, ge=0)
     """Maximum policy-version lag of a trained token (0 = strictly on-policy)."""
-    temperature: float = 1.0
+    temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; the learner computes logprobs at the same temperature."""
-    clip_eps: float = 0.2
+    clip_eps: float = Field(default=0.2, gt=0)
     """PPO clip range of the importance ratio."""
     lr: float = 1e-3
     """AdamW learning rate."""

@@ -34,8 +34,6 @@ SCHEMA_VERSION = 1
 
 ROLLOUT_WORK = "kiln.rollout.work"
 """Controller -> rollout workers: one ``RolloutRequest`` per group (work queue)."""
-ROLLOUT_CONTROL = "kiln.rollout.control"
-"""Controller -> every rollout worker: ``RolloutControl`` signals (fan-out)."""
 TRAJECTORY_FINISHED = "kiln.trajectory.finished"
 """Rollout -> reward: one ``Trajectory`` per sample, finished or failed by infrastructure."""
 TRAJECTORY_SCORED = "kiln.trajectory.scored"
@@ -171,12 +169,6 @@ STREAMS: tuple[StreamSpec, ...] = (
         description="published policy versions (history; rollout reads the latest)",
     ),
     StreamSpec(
-        "KILN_CONTROL",
-        (ROLLOUT_CONTROL,),
-        max_age_s=3600,
-        description="controller signals to rollout workers",
-    ),
-    StreamSpec(
         "KILN_EVENTS",
         (GROUP_DROPPED, STEP_METRICS, RUN_EVENTS),
         description="dropped-log, step metrics and run lifecycle events",
@@ -286,16 +278,6 @@ class RolloutRequest(Message):
         if self.sample_traces and len(self.sample_traces) != self.n_samples:
             raise ValueError("sample_traces must have one entry per sample")
         return self
-
-
-class ControlKind(str, Enum):
-    ABORT_FOR_VERSION = "abort-for-version"
-
-
-class RolloutControl(Message):
-    run_id: str
-    kind: ControlKind
-    version: int
 
 
 class ToolCall(Message):
@@ -536,7 +518,6 @@ class HealthReply(Message):
 
 SUBJECT_MESSAGES: dict[str, type[Message]] = {
     ROLLOUT_WORK: RolloutRequest,
-    ROLLOUT_CONTROL: RolloutControl,
     TRAJECTORY_FINISHED: Trajectory,
     TRAJECTORY_SCORED: ScoredTrajectory,
     WEIGHTS_CHECKPOINT: PolicyCheckpoint,

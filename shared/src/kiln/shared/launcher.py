@@ -119,7 +119,7 @@ class LocalPlatform:
         self.config_file.write_text(render_toml(self.experiment))
 
     def _spawn(self, cfg: LauncherConfig) -> None:
-        for name, info in self.services.items():
+        for info in self.services.values():
             load_config(info.config_class(), self.config_file)  # fail before starting anything
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KILN_CONFIG": str(self.config_file)}
         for name, info in self.services.items():

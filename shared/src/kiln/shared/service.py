@@ -110,10 +110,7 @@ async def _liveness(path: Path, stop: asyncio.Event) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     while not stop.is_set():
         path.touch()
-        try:
-            await asyncio.wait_for(stop.wait(), 5.0)
-        except asyncio.TimeoutError:
-            pass
+        await wait_or_stop(stop, 5.0)
 
 
 def service_main(
@@ -129,14 +126,10 @@ def service_main(
     asyncio.run(run_service(name, config, body, instance=args.instance))
 
 
-def wait_or_stop(stop: asyncio.Event, seconds: float) -> Awaitable[bool]:
+async def wait_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
-
-    async def _w() -> bool:
-        try:
-            await asyncio.wait_for(stop.wait(), seconds)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-    return _w()
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False

@@ -11,6 +11,8 @@ import logging
 import tempfile
 from pathlib import Path
 
+from opentelemetry.metrics import Observation
+
 from kiln.shared import contracts as c
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
 from kiln.shared.tasks import load_suite
@@ -42,7 +44,7 @@ async def serve(ctx: ServiceContext) -> None:
     created = meter.create_counter("kiln.envpool.sandboxes_created")
     tool_calls = meter.create_counter("kiln.envpool.tool_calls")
     tool_errors = meter.create_counter("kiln.envpool.tool_errors")
-    meter.create_observable_gauge("kiln.envpool.sandboxes_live", callbacks=[lambda _o: [_obs(len(pool))]])
+    meter.create_observable_gauge("kiln.envpool.sandboxes_live", callbacks=[lambda _o: [Observation(len(pool))]])
 
     async def on_create(req: c.SandboxCreate) -> c.SandboxCreated:
         with ctx.tracer.start_as_current_span("envpool.create", attributes={"task_id": req.task_id}):
@@ -80,12 +82,6 @@ async def serve(ctx: ServiceContext) -> None:
             ctx.health_detail.update(pool.stats())
     finally:
         await pool.close()
-
-
-def _obs(value):
-    from opentelemetry.metrics import Observation
-
-    return Observation(value)
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ async def serve(ctx: ServiceContext) -> None:
         await ctx.bus.consume(c.LEARNER, c.ScoredTrajectory, trainer.on_scored, stop=done, ready=ctx.ready)
         await watcher
         await expiry
-        await trainer.release()
+        await trainer.release(run_finished=controller.finished.is_set())
         if not controller.finished.is_set():
             log.info("stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps)
     finally:

@@ -136,7 +136,7 @@ class Trainer:
             self.step += 1
             await self._hand_over(version, parent=version - 1)
         now_ns = time.time_ns()
-        for s, d in used:  # the step, as seen from each trajectory's own trace
+        for _, d in used:  # the step, as seen from each trajectory's own trace
             self.ctx.tracer.start_span(
                 "learner.trained",
                 context=extract_context(d.headers),
@@ -174,9 +174,10 @@ class Trainer:
         )
         self.idle_since = time.monotonic()
 
-    async def release(self) -> None:
-        """At the end of the run: hand back every message still held (their groups ended)."""
-        for gid, held in list(self.pending.items()):
+    async def release(self, run_finished: bool) -> None:
+        """Settle every message still held: acked when the run finished (their groups were
+        ended as ``run_finished``), handed back otherwise so a successor gets them."""
+        for held in self.pending.values():
             for _, d in held.values():
-                await d.ack()
+                await (d.ack() if run_finished else d.nak())
         self.pending.clear()

@@ -43,7 +43,6 @@ class RolloutWorker:
         self.suite = suite
         self.envpool = EnvPoolClient(ctx.bus)
         self.tokenizer = None
-        self.latest: c.WeightsPublished | None = None
         self._version_changed = asyncio.Condition()
         self._loading = asyncio.Lock()
         self.published = 0
@@ -65,7 +64,6 @@ class RolloutWorker:
                 await self.engine.load(msg.version, folder)
                 if self.tokenizer is None:
                     self.tokenizer = load_tokenizer(folder)
-            self.latest = msg
             self.ctx.health_detail["version"] = msg.version
             log.info("serving policy version %d", msg.version)
         async with self._version_changed:
