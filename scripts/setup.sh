@@ -40,7 +40,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || { say "creating .venv"; "$PY" -m venv .venv; }
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# This machine's pip configuration names index folders that may not exist; pip warns per package.
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 pip install --upgrade pip >/dev/null 2>&1 || true
 # A CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 # On a GPU machine, preinstall the CUDA torch you want into .venv and this line keeps it.
