@@ -23,6 +23,9 @@ class LearnerSettings(Section):
     """Gradient clipping."""
     deadline_check_s: float = 2.0
     """How often the controller drops groups past their deadline."""
+    max_dropped_groups: int = 100
+    """The run fails once more groups than this were dropped: a broken environment must
+    end the run with its reason, not re-dispatch forever."""
     tokenizer_corpus_repeats: int = 4
     """Times the task suite is repeated in the tokenizer's training corpus."""
 

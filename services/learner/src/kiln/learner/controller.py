@@ -52,6 +52,7 @@ class Controller:
         self.trained = 0
         self.inflight: dict[str, c.RolloutRequest] = {}
         self.finished = asyncio.Event()
+        self.outcome: tuple[str, str] = ("running", "")
         self._lock = asyncio.Lock()
         self._recorded: dict[int, asyncio.Event] = {0: asyncio.Event()}
         self._recorded[0].set()
@@ -73,6 +74,9 @@ class Controller:
         await self.ctx.bus.publish(c.RUN_EVENTS, c.RunEvent(run_id=self.run_id, kind="started"))
 
     async def finish_run(self, status: str = "finished", detail: str = "") -> None:
+        if self.finished.is_set():
+            return
+        self.outcome = (status, detail)
         async with self._lock:
             for gid in list(self.inflight):
                 await self._end(gid, "dropped", reason="run_finished", detail="the run ended before this group trained")
@@ -159,6 +163,12 @@ class Controller:
     async def drop(self, group_id: str, reason: str, detail: str = "") -> None:
         async with self._lock:
             await self._end(group_id, "dropped", reason=reason, detail=detail)
+        limit = self.cfg.learner.max_dropped_groups
+        if self.dropped > limit:
+            await self.finish_run(
+                "failed", f"{self.dropped} groups dropped (limit {limit}); the last: {reason}: {detail}"[:2000]
+            )
+            return
         await self.refill()
 
     async def mark_trained(self, group_ids: list[str], trajectory_ids: list[str], version: int) -> None:

@@ -61,6 +61,8 @@ async def serve(ctx: ServiceContext) -> None:
         await trainer.release(run_finished=controller.finished.is_set())
         if not controller.finished.is_set():
             log.info("stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps)
+        elif controller.outcome[0] == "failed":
+            raise RuntimeError(f"run {cfg.run.id} failed: {controller.outcome[1]}")
     finally:
         await db.close()
 
