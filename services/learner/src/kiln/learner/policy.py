@@ -55,22 +55,11 @@ class Policy:
         torch.set_num_threads(cfg.learner.torch_threads)
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats), cfg.model.vocab_size)
-        m = cfg.model
+        # The settings name a subset of MoEConfig's fields; the vocabulary is what BPE reached.
+        arch = cfg.model.model_dump(exclude={"vocab_size"})
         self.model = MoEForCausalLM(
             MoEConfig(
-                vocab_size=self.tokenizer.get_vocab_size(),
-                hidden_size=m.hidden_size,
-                num_hidden_layers=m.num_hidden_layers,
-                num_attention_heads=m.num_attention_heads,
-                num_key_value_heads=m.num_key_value_heads,
-                head_dim=m.head_dim,
-                num_experts=m.num_experts,
-                num_experts_per_tok=m.num_experts_per_tok,
-                moe_intermediate_size=m.moe_intermediate_size,
-                max_position_embeddings=m.max_position_embeddings,
-                rope_theta=m.rope_theta,
-                router_aux_loss_coef=m.router_aux_loss_coef,
-                eos_token_id=special_id(self.tokenizer, chat.EOS),
+                vocab_size=self.tokenizer.get_vocab_size(), eos_token_id=special_id(self.tokenizer, chat.EOS), **arch
             )
         ).init_weights(cfg.run.seed)
         a = cfg.algorithm
