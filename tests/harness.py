@@ -36,7 +36,7 @@ def experiment(run_dir: Path, nats_url: str, db_url: str, **sections) -> Path:
         "algorithm": {"steps": 3, "groups_per_step": 2, "samples_per_group": 2, "max_staleness": 0, "group_deadline_s": 120},
         "rollout": {"max_turns": 2, "max_new_tokens": 16, "max_total_tokens": 2048},
         "learner": {"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1},
-        "envpool": {"reap_interval_s": 0.5},
+        "envpool": {"reap_interval_s": 0.5, "semantic_mode": "bm25"},  # the embedding model loads in its own tests
     }
     path = run_dir / "experiment.toml"
     path.write_text(render_toml(deep_merge(base, sections)))

@@ -1,6 +1,7 @@
-"""env-pool over a real nats-server (the ``process`` backend of the skeleton): the
-sandbox lifecycle, command limits, the tools and their errors, backpressure, lease
-reaping, and two nodes sharing the queue group while calls reach each sandbox's owner."""
+"""env-pool over a real nats-server with the bubblewrap backend: the sandbox lifecycle,
+command limits, the tools and their errors, backpressure, leases, warm pools, forks,
+snapshots restored on another node, two nodes sharing the queue group while calls
+reach each sandbox's owner, and the operator HTTP API."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from harness import InProcessPlatform, experiment, wait_for
 
 @pytest.fixture
 async def envpool(nats_server, run_dir):
-    exp = experiment(run_dir, nats_server.url, "sqlite://", envpool={"max_sandboxes": 3, "reap_interval_s": 0.2, "output_limit_bytes": 2000})
+    exp = experiment(
+        run_dir, nats_server.url, "sqlite://",
+        envpool={"max_sandboxes": 3, "reap_interval_s": 0.2, "output_limit_bytes": 2000, "warm_per_task": 0},
+    )
     p = InProcessPlatform(exp)
     await p.start("env-pool", instance="node-a")
     yield p
@@ -155,8 +159,108 @@ async def test_two_nodes_share_creates_and_route_to_owners(envpool, bus):
             break
     assert {r.node_id for r in refs} == {"node-a", "node-b"}, "the queue group never used both nodes"
     for r in refs:
-        out = await pool.exec(r, "pwd", 5)
-        assert out.stdout.strip().endswith(r.sandbox_id), "a call reached a node that does not own the sandbox"
+        await pool.tools(r, [call("write_file", path="me.txt", content=r.sandbox_id)])
+    for r in refs:
+        out = await pool.exec(r, "cat me.txt", 5)
+        assert out.stdout == r.sandbox_id, "a call reached a node that does not own the sandbox"
     health = await bus.request(f"{c.HEALTH_PREFIX}.env-pool", c.HealthProbe(), c.HealthReply)
     assert health.service == "env-pool" and health.detail["ready"] is True
     await asyncio.gather(*(pool.destroy(r) for r in refs))
+
+
+async def test_fork_snapshot_restore_and_renew(envpool, bus):
+    await envpool.start("env-pool", instance="node-b")
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    await pool.tools(ref, [call("edit_file", path="calc.py", old="a - b", new="a + b"), call("write_file", path="notes/n.txt", content="n")])
+    child = await pool.fork(ref)
+    assert child.node_id == ref.node_id and child.sandbox_id != ref.sandbox_id
+    assert (await pool.exec(child, "cat calc.py notes/n.txt", 5)).stdout == "def add(a, b):\n    return a + b\nn"
+    await pool.exec(child, "echo changed > notes/n.txt", 5)
+    assert (await pool.exec(ref, "cat notes/n.txt", 5)).stdout == "n"  # a fork is a copy, not a view
+
+    snap = await pool.snapshot(ref)
+    assert snap.task_id == "fix-calc" and snap.size > 0 and len(snap.sha256) == 64
+    await pool.destroy(ref)
+    elsewhere = None
+    for _ in range(40):  # restore until one lands on the other node: snapshots travel
+        r = await pool.create("fix-calc", snapshot_key=snap.key)
+        out = await pool.exec(r, "cat calc.py; python3 -m unittest -q test_calc 2>&1 | tail -1", 20)
+        assert out.stdout.endswith("OK\n"), out
+        if r.node_id != child.node_id:
+            elsewhere = r
+            break
+        await pool.destroy(r)
+    assert elsewhere is not None, "no restore ever landed on the other node"
+    with pytest.raises(RemoteError) as e:
+        await pool.create("fix-calc", snapshot_key="fix-calc/nope")
+    assert e.value.code == "not_found"
+
+    soon = time.time() + 1
+    expires = await pool.renew(child, 600)
+    assert expires > soon + 500
+    with pytest.raises(RemoteError):
+        await pool.renew(c.SandboxRef(node_id=child.node_id, sandbox_id="sb-none"), 10)
+
+
+async def test_warm_pool_serves_repeat_tasks(nats_server, bus, run_dir):
+    exp = experiment(run_dir, nats_server.url, "sqlite://", envpool={"warm_per_task": 2, "reap_interval_s": 0.1})
+    p = InProcessPlatform(exp)
+    await p.start("env-pool", instance="warm")
+    try:
+        pool = EnvPoolClient(bus)
+        first = await pool.create("fix-calc")
+
+        async def warmed():
+            return (await pool.stats("warm")).idle == 2
+
+        await wait_for(warmed, 10, 0.1, "warm pool filled")
+        second = await pool.create("fix-calc")
+        st = await pool.stats("warm")
+        assert st.leased == 2 and st.idle <= 2 and st.backend == "bwrap"
+        assert (await pool.exec(second, "cat calc.py", 5)).stdout == "def add(a, b):\n    return a - b\n"
+        await pool.destroy(first)
+    finally:
+        await p.stop_all()
+
+
+async def test_http_api(nats_server, bus, run_dir):
+    import httpx
+
+    exp = experiment(run_dir, nats_server.url, "sqlite://", envpool={"http_port": 0, "http_token": "s3cret", "warm_per_task": 0})
+    p = InProcessPlatform(exp)
+    await p.start("env-pool", instance="web")
+    try:
+        pool = EnvPoolClient(bus)
+        ref = await pool.create("fix-calc")
+        await pool.exec(ref, "true", 5)
+        url = (await pool.stats("web")).http_url
+        assert url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(base_url=url) as h:
+            assert (await h.get("/healthz")).json()["node_id"] == "web"
+            assert (await h.get("/sandboxes")).status_code == 401
+            auth = {"Authorization": "Bearer s3cret"}
+            listing = (await h.get("/sandboxes", headers=auth)).json()["sandboxes"]
+            assert [x["sandbox_id"] for x in listing] == [ref.sandbox_id] and listing[0]["state"] == "leased"
+            metrics = (await h.get("/metrics", headers=auth)).text
+            assert "kiln_envpool_sandboxes_leased 1.0" in metrics and "kiln_envpool_exec_seconds_count 1.0" in metrics
+            assert "kiln_envpool_create_seconds_bucket" in metrics
+    finally:
+        await p.stop_all()
+
+
+async def test_wide_http_bind_needs_a_token():
+    from kiln.envpool.api import serve_http
+
+    with pytest.raises(ValueError, match="http_token"):
+        await serve_http(None, "0.0.0.0", 0, "", asyncio.Event())
+
+
+async def test_refuses_to_start_without_bubblewrap(nats_server, run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
+    from kiln.envpool.bwrap import BwrapError
+
+    with pytest.raises(BwrapError, match="bubblewrap"):
+        await p.start("env-pool")
+    p.running.clear()

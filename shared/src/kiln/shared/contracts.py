@@ -61,7 +61,7 @@ HEALTH_PREFIX = "kiln.health"
 
 
 def envpool_node_subject(node_id: str, op: str) -> str:
-    """Subject of one env-pool node's per-sandbox API (``exec``, ``tools``, ``destroy``).
+    """Subject of one env-pool node's own API (``ENVPOOL_NODE_OPS``).
 
     A sandbox lives on the node that created it, so every call after ``create`` is
     addressed to that node directly instead of to the queue group.
@@ -72,7 +72,7 @@ def envpool_node_subject(node_id: str, op: str) -> str:
     return f"kiln.envpool.node.{node_id}.{op}"
 
 
-ENVPOOL_NODE_OPS = frozenset({"exec", "tools", "destroy"})
+ENVPOOL_NODE_OPS = frozenset({"exec", "tools", "destroy", "fork", "snapshot", "renew", "stats"})
 
 
 def weights_published_subject(run_id: str) -> str:
@@ -100,6 +100,8 @@ HDR_ERROR = "Kiln-Error"
 
 CLAIMS_BUCKET = "kiln-claims"
 """Object store bucket for claim-checked message bodies."""
+SNAPSHOTS_BUCKET = "kiln-snapshots"
+"""Object store bucket for workspace snapshots (``SandboxSnapshot``), readable by every node."""
 
 # ---------------------------------------------------------------------------
 # Streams and consumers
@@ -464,6 +466,8 @@ class SandboxCreate(Message):
     run_id: str = ""
     ttl_s: float = 900.0
     """Lease length; the node reaps the sandbox after it unless renewed."""
+    snapshot_key: str | None = None
+    """Start from this snapshot (``SnapshotRef.key``) instead of the task's files."""
 
 
 class SandboxCreated(Message):
@@ -494,6 +498,54 @@ class SandboxTools(Message):
 
 class ToolResults(Message):
     results: list[ToolResult]
+
+
+class SandboxFork(Message):
+    """Clone a live sandbox's workspace into a new sandbox on the same node."""
+
+    sandbox_id: str
+    ttl_s: float = 900.0
+
+
+class SandboxSnapshot(Message):
+    sandbox_id: str
+
+
+class SnapshotRef(Message):
+    """A workspace captured in the ``kiln-snapshots`` object store, restorable on any node."""
+
+    key: str
+    size: int
+    sha256: str
+    task_id: str
+
+
+class SandboxRenew(Message):
+    sandbox_id: str
+    ttl_s: float
+
+
+class SandboxRenewed(Message):
+    sandbox_id: str
+    expires_at: float
+
+
+class NodeStatsRequest(Message):
+    """Body of a ``stats`` request (empty)."""
+
+
+class NodeStats(Message):
+    node_id: str
+    backend: str
+    cgroups: str
+    """``v1``, ``v2`` or ``none`` (rlimits only)."""
+    leased: int
+    idle: int
+    creating: int
+    capacity: int
+    created_total: int
+    reaped_total: int
+    http_url: str = ""
 
 
 class SandboxDestroy(Message):
@@ -532,5 +584,9 @@ SUBJECT_MESSAGES: dict[str, type[Message]] = {
 ENVPOOL_NODE_MESSAGES: dict[str, tuple[type[Message], type[Message]]] = {
     "exec": (SandboxExec, ExecResult),
     "tools": (SandboxTools, ToolResults),
+    "fork": (SandboxFork, SandboxCreated),
+    "snapshot": (SandboxSnapshot, SnapshotRef),
+    "renew": (SandboxRenew, SandboxRenewed),
     "destroy": (SandboxDestroy, SandboxDestroyed),
+    "stats": (NodeStatsRequest, NodeStats),
 }

@@ -17,12 +17,38 @@ class EnvPoolClient:
         self.bus = bus
         self.timeout_s = timeout_s
 
-    async def create(self, task_id: str, *, run_id: str = "", ttl_s: float = 900.0) -> c.SandboxRef:
+    async def create(
+        self, task_id: str, *, run_id: str = "", ttl_s: float = 900.0, snapshot_key: str | None = None
+    ) -> c.SandboxRef:
+        """A sandbox from the task's files, or from a snapshot taken on any node."""
         r = await self.bus.request(
-            c.ENVPOOL_CREATE, c.SandboxCreate(task_id=task_id, run_id=run_id, ttl_s=ttl_s), c.SandboxCreated,
+            c.ENVPOOL_CREATE,
+            c.SandboxCreate(task_id=task_id, run_id=run_id, ttl_s=ttl_s, snapshot_key=snapshot_key),
+            c.SandboxCreated,
             timeout=self.timeout_s,
         )
         return r.sandbox
+
+    async def fork(self, ref: c.SandboxRef, ttl_s: float = 900.0) -> c.SandboxRef:
+        """A copy of a live sandbox's workspace (on the same node)."""
+        r = await self._node(ref, "fork", c.SandboxFork(sandbox_id=ref.sandbox_id, ttl_s=ttl_s))
+        return r.sandbox
+
+    async def snapshot(self, ref: c.SandboxRef) -> c.SnapshotRef:
+        return await self._node(ref, "snapshot", c.SandboxSnapshot(sandbox_id=ref.sandbox_id))
+
+    async def renew(self, ref: c.SandboxRef, ttl_s: float) -> float:
+        """Extend the lease; returns the new expiry (unix time)."""
+        return (await self._node(ref, "renew", c.SandboxRenew(sandbox_id=ref.sandbox_id, ttl_s=ttl_s))).expires_at
+
+    async def stats(self, node_id: str) -> c.NodeStats:
+        return await self.bus.request(
+            c.envpool_node_subject(node_id, "stats"), c.NodeStatsRequest(), c.NodeStats, timeout=self.timeout_s
+        )
+
+    async def _node(self, ref: c.SandboxRef, op: str, msg: c.Message):
+        _, reply = c.ENVPOOL_NODE_MESSAGES[op]
+        return await self.bus.request(c.envpool_node_subject(ref.node_id, op), msg, reply, timeout=self.timeout_s)
 
     async def exec(self, ref: c.SandboxRef, command: str, timeout_s: float) -> c.ExecResult:
         return await self.bus.request(
@@ -42,10 +68,4 @@ class EnvPoolClient:
         return r.results
 
     async def destroy(self, ref: c.SandboxRef) -> bool:
-        r = await self.bus.request(
-            c.envpool_node_subject(ref.node_id, "destroy"),
-            c.SandboxDestroy(sandbox_id=ref.sandbox_id),
-            c.SandboxDestroyed,
-            timeout=self.timeout_s,
-        )
-        return r.existed
+        return (await self._node(ref, "destroy", c.SandboxDestroy(sandbox_id=ref.sandbox_id))).existed

@@ -47,6 +47,24 @@ class ListDirArgs(_Args):
     """Directory relative to the workspace root."""
 
 
+class GrepArgs(_Args):
+    pattern: str = Field(min_length=1)
+    """Regular expression (ripgrep syntax)."""
+    path: str = "."
+    """File or directory to search, relative to the workspace root."""
+    glob: str | None = None
+    """Only search files matching this glob, e.g. `*.py`."""
+    ignore_case: bool = False
+    """Match case-insensitively."""
+
+
+class SemanticSearchArgs(_Args):
+    query: str = Field(min_length=1)
+    """What to look for, in natural language or code."""
+    k: int = Field(default=5, ge=1, le=50)
+    """How many code chunks to return."""
+
+
 class RunTerminalCmdArgs(_Args):
     command: str
     """A bash command, run in the workspace root."""
@@ -59,10 +77,12 @@ TOOLS: dict[str, tuple[type[_Args], str]] = {
     "edit_file": (EditFileArgs, "Replace one exact, unique occurrence of `old` with `new` in a file."),
     "write_file": (WriteFileArgs, "Create or overwrite a file with the given content."),
     "list_dir": (ListDirArgs, "List the entries of a directory of the workspace."),
+    "grep": (GrepArgs, "Search file contents with a regular expression (ripgrep); returns path:line:text matches."),
+    "semantic_search": (SemanticSearchArgs, "Find the code chunks of the workspace most related to a query."),
     "run_terminal_cmd": (RunTerminalCmdArgs, "Run a bash command in the workspace and return its output."),
 }
 
-READ_ONLY_TOOLS = frozenset({"read_file", "list_dir"})
+READ_ONLY_TOOLS = frozenset({"read_file", "list_dir", "grep", "semantic_search"})
 """Tools that may run concurrently within one turn; the others run in call order."""
 
 

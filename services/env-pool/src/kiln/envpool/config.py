@@ -8,31 +8,77 @@ from pydantic import Field
 
 from kiln.shared.config import Section, ServiceConfig, TaskSettings
 
+MiB = 1024 * 1024
+
 
 class EnvPoolSettings(Section):
     node_id: str = ""
-    """This node's id in per-sandbox subjects; empty = derived from host and pid."""
-    backend: Literal["process"] = "process"
-    """Sandbox backend. ``process``: a subprocess in its own workspace and session, with
-    rlimits and a timeout (no namespace isolation: bubblewrap arrives with the env-pool issue)."""
+    """This node's id in its own subjects; empty = the service instance id."""
+    backend: Literal["bwrap", "process"] = "bwrap"
+    """``bwrap``: each command in a bubblewrap sandbox (no network, private pid/ipc/uts, read-only
+    system, writable workspace only, unprivileged uid). ``process``: a plain subprocess with
+    rlimits and a timeout, NO isolation; for development only (logged loudly)."""
     workspace_root: str = ""
-    """Where workspaces are created; empty = ``<run.dir>/sandboxes`` or a temp dir."""
-    max_sandboxes: int = 256
-    """Sandboxes this node holds at once; beyond it ``create`` fails with ``pool_exhausted``."""
+    """Where workspaces live; empty = ``/dev/shm/kiln-envpool`` (tmpfs: fast, and charged to each
+    sandbox's memory cgroup, which bounds its disk use) when usable, else the system temp dir."""
+    max_sandboxes: int = Field(default=1024, ge=0)
+    """Sandboxes (leased + warm + being created) this node holds at once; beyond it ``create``
+    fails at once with ``pool_exhausted``."""
+    max_creating: int = Field(default=16, ge=1)
+    """Sandboxes being created at once; further creates wait for a slot up to ``create_wait_s``."""
+    create_wait_s: float = 10.0
+    """How long a create may wait for a creation slot before it fails with ``busy``."""
+    warm_per_task: int = Field(default=2, ge=0)
+    """Idle sandboxes kept ready for each recently used task (0 = no warm pool)."""
+    warm_tasks: int = Field(default=16, ge=0)
+    """How many recently used tasks get a warm pool."""
     default_ttl_s: float = 900.0
     """Lease length when a request gives none."""
     reap_interval_s: float = 5.0
-    """How often expired leases are destroyed."""
+    """How often expired leases are destroyed and warm pools refilled."""
     output_limit_bytes: int = 64 * 1024
-    """Cap on captured stdout/stderr per command (head and tail kept, middle marked)."""
+    """Captured stdout/stderr per command: head and tail kept, the cut marked."""
+    output_kill_bytes: int = 16 * MiB
+    """A command that writes more than this (per stream) is killed: output is not a disk."""
     max_command_timeout_s: float = 600.0
-    """Upper bound on any command's timeout."""
+    """Upper bound on any command's wall-clock timeout."""
     cpu_seconds: int = 120
     """RLIMIT_CPU of each command."""
-    max_file_bytes: int = 256 * 1024 * 1024
-    """RLIMIT_FSIZE of each command."""
+    address_space_bytes: int = 4096 * MiB
+    """RLIMIT_AS of each command."""
+    max_file_bytes: int = 64 * MiB
+    """RLIMIT_FSIZE: the largest file a command may write."""
+    open_files: int = 512
+    """RLIMIT_NOFILE of each command."""
+    processes: int = 512
+    """RLIMIT_NPROC (per sandbox uid when env-pool runs as root, else per env-pool's uid)."""
+    memory_bytes: int = 1024 * MiB
+    """Memory cgroup limit per sandbox (includes its tmpfs workspace and /tmp)."""
+    pids: int = 256
+    """pids cgroup limit per sandbox (fork bombs stop here)."""
+    tmp_bytes: int = 64 * MiB
+    """Size of the private tmpfs mounted at /tmp for each command."""
+    workspace_quota_bytes: int = 256 * MiB
+    """A workspace above this after a command is reported and refuses further commands."""
+    sandbox_uid_base: int = 200_000
+    """As root, sandbox slot ``n`` runs as host uid/gid ``base + n`` (one uid per sandbox)."""
+    ro_binds: list[str] = Field(default_factory=lambda: ["/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl", "/etc/localtime"])
+    """Host paths mounted read-only into every sandbox (missing ones are skipped)."""
     max_read_bytes: int = 256 * 1024
     """read_file refuses files larger than this."""
+    grep_max_matches: int = 200
+    """grep returns at most this many matching lines."""
+    semantic_mode: Literal["auto", "embedding", "bm25"] = "auto"
+    """semantic_search ranking: ``embedding`` (all-MiniLM-L6-v2, offline), ``bm25``, or ``auto``
+    (embeddings once the model is loaded, BM25 until then or if it is not installed)."""
+    snapshot_ttl_s: float = 7 * 24 * 3600
+    """How long snapshots stay in the ``kiln-snapshots`` object store."""
+    http_host: str = "127.0.0.1"
+    """Bind address of the operator HTTP API. Anything but loopback requires ``http_token``."""
+    http_port: int = 0
+    """Port of the operator HTTP API; 0 = a free port (logged and in the node stats), -1 = off."""
+    http_token: str = ""
+    """Bearer token the HTTP API requires (every route but ``/healthz``) when set."""
 
 
 class EnvPoolConfig(ServiceConfig):

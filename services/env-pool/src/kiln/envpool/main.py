@@ -1,87 +1,222 @@
 """env-pool entrypoint: ``python -m kiln.envpool.main``.
 
 Serves ``kiln.envpool.create`` in the ``envpool`` queue group (any node may create a
-sandbox) and ``kiln.envpool.node.<node_id>.{exec,tools,destroy}`` for the sandboxes
-this node owns (a sandbox's calls always reach its owner).
+sandbox, from a task or from a snapshot) and ``kiln.envpool.node.<node_id>.<op>`` for
+what only the owner can do (exec, tools, fork, snapshot, renew, destroy, stats), plus
+the operator HTTP API. With the ``bwrap`` backend the node refuses to start when
+bubblewrap cannot run here; the ``process`` backend must be chosen explicitly.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
+import sys
 import logging
+import os
 import tempfile
+import time
 from pathlib import Path
 
-from opentelemetry.metrics import Observation
+import nats.js.errors
+from nats.js import api as js_api
 
 from kiln.shared import contracts as c
+from kiln.shared.bus import ServiceError
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
 from kiln.shared.tasks import load_suite
 
-from kiln.envpool.config import EnvPoolConfig
+from kiln.envpool import bwrap
+from kiln.envpool.api import build_app, serve_http
+from kiln.envpool.cgroups import CgroupManager
+from kiln.envpool.config import EnvPoolConfig, EnvPoolSettings
+from kiln.envpool.metrics import NodeMetrics
 from kiln.envpool.pool import SandboxPool
+from kiln.envpool.sandbox import Identity, ProcessSandbox
+from kiln.envpool.search import SemanticIndex
 from kiln.envpool.tools import ToolExecutor
 
 log = logging.getLogger("kiln.envpool")
 
 
+def workspace_root(s: EnvPoolSettings, run_dir: str, node_id: str) -> Path:
+    if s.workspace_root:
+        base = Path(s.workspace_root)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = Path("/dev/shm/kiln-envpool")
+    elif run_dir:
+        base = Path(run_dir) / "sandboxes"
+    else:
+        base = Path(tempfile.gettempdir()) / "kiln-envpool"
+    base.mkdir(parents=True, exist_ok=True)
+    os.chmod(base, 0o711)
+    return base / node_id
+
+
+def sandbox_factory(s: EnvPoolSettings, root: Path):
+    """The backend's constructor, after checking that it can run here."""
+    if s.backend == "process":
+        log.error(
+            "UNSAFE: envpool.backend = 'process' runs agent commands without any isolation "
+            "(host network, host files); use it only for development"
+        )
+        return ProcessSandbox
+    etc = root / "etc"
+    bwrap.write_identity_files(etc)
+    system = bwrap.system_args(s.ro_binds, etc)
+    probe_ws = root / "probe"
+    probe_ws.mkdir(parents=True, exist_ok=True)
+    identity = Identity()
+    if os.geteuid() == 0:  # probe as an unprivileged uid, like every sandbox will run
+        uid = s.sandbox_uid_base + s.max_sandboxes
+        os.chown(probe_ws, uid, uid)
+        identity = Identity(uid, uid)
+    bwrap.probe(system, identity, probe_ws)
+    return lambda sid, ws, lim, ident, cg: bwrap.BwrapSandbox(sid, ws, lim, ident, cg, system=system)
+
+
+async def snapshot_store(ctx: ServiceContext, ttl_s: float):
+    js = ctx.bus.js
+    try:
+        obs = await js.object_store(c.SNAPSHOTS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        obs = await js.create_object_store(
+            c.SNAPSHOTS_BUCKET, config=js_api.ObjectStoreConfig(ttl=ttl_s, description="workspace snapshots")
+        )
+
+    async def put(key: str, data: bytes) -> None:
+        await obs.put(key, data)
+
+    async def get(key: str) -> bytes:
+        buf = io.BytesIO()
+        await obs.get(key, writeinto=buf)  # writeinto: a plain get() is quadratic in the size
+        return buf.getvalue()
+
+    return put, get
+
+
+def use_pidfd_child_watcher() -> None:
+    """Python 3.11's default watcher starts a thread per child process, a real cost at
+    hundreds of sandbox commands per second; pidfds need none (3.12+ uses them itself)."""
+    if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
+        watcher = asyncio.PidfdChildWatcher()
+        watcher.attach_loop(asyncio.get_running_loop())
+        asyncio.set_child_watcher(watcher)
+
+
 async def serve(ctx: ServiceContext) -> None:
+    use_pidfd_child_watcher()
     cfg: EnvPoolConfig = ctx.config  # type: ignore[assignment]
     s = cfg.envpool
     node_id = s.node_id or ctx.instance
-    if s.workspace_root:
-        root = Path(s.workspace_root) / node_id
-    elif cfg.run.dir:
-        root = Path(cfg.run.dir) / "sandboxes" / node_id
-    else:
-        root = Path(tempfile.mkdtemp(prefix="kiln-sandboxes-"))
-    log.warning(
-        "sandbox backend 'process': commands run as this user without namespace isolation; "
-        "use it for development only"
+    root = workspace_root(s, cfg.run.dir, node_id)
+    root.mkdir(parents=True, exist_ok=True)
+    factory = sandbox_factory(s, root)
+    cgroups = CgroupManager(node_id)
+    put, get = await snapshot_store(ctx, s.snapshot_ttl_s)
+    index = SemanticIndex(mode=s.semantic_mode)
+    pool = SandboxPool(
+        s, load_suite(cfg.tasks.suite), root, factory, cgroups,
+        put_snapshot=put, get_snapshot=get, on_destroy=lambda ws: index.forget(ws.resolve()),
+    )  # fmt: skip
+    metrics = NodeMetrics(pool)
+    if s.semantic_mode != "bm25":
+        index.start_loading()  # in a thread; BM25 answers until it is ready
+    tools = ToolExecutor(
+        max_read_bytes=s.max_read_bytes,
+        max_timeout_s=s.max_command_timeout_s,
+        grep_max_matches=s.grep_max_matches,
+        index=index,
+        metrics=metrics,
+        tracer=ctx.tracer,
     )
-    pool = SandboxPool(s, load_suite(cfg.tasks.suite), root)
-    tools = ToolExecutor(max_read_bytes=s.max_read_bytes, max_timeout_s=s.max_command_timeout_s)
-    meter = ctx.telemetry.meter
-    created = meter.create_counter("kiln.envpool.sandboxes_created")
-    tool_calls = meter.create_counter("kiln.envpool.tool_calls")
-    tool_errors = meter.create_counter("kiln.envpool.tool_errors")
-    meter.create_observable_gauge("kiln.envpool.sandboxes_live", callbacks=[lambda _o: [Observation(len(pool))]])
+    http_url = ""
+
+    def created(sb, t0: float) -> c.SandboxCreated:
+        metrics.create_seconds.observe(time.monotonic() - t0)
+        metrics.created.inc()
+        return c.SandboxCreated(sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id), workspace=str(sb.workspace))
 
     async def on_create(req: c.SandboxCreate) -> c.SandboxCreated:
+        t0 = time.monotonic()
         with ctx.tracer.start_as_current_span("envpool.create", attributes={"task_id": req.task_id}):
-            sb = await pool.create(req.task_id, req.run_id, req.ttl_s or s.default_ttl_s)
-        created.add(1)
-        return c.SandboxCreated(sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id), workspace=str(sb.workspace))
+            try:
+                sb = await pool.create(req.task_id, req.run_id, req.ttl_s or s.default_ttl_s, req.snapshot_key)
+            except ServiceError as e:
+                if e.code == "pool_exhausted":
+                    metrics.exhausted.inc()
+                raise
+        return created(sb, t0)
+
+    async def on_fork(req: c.SandboxFork) -> c.SandboxCreated:
+        t0 = time.monotonic()
+        with ctx.tracer.start_as_current_span("envpool.fork", attributes={"sandbox_id": req.sandbox_id}):
+            return created(await pool.fork(req.sandbox_id, req.ttl_s or s.default_ttl_s), t0)
+
+    async def on_snapshot(req: c.SandboxSnapshot) -> c.SnapshotRef:
+        with ctx.tracer.start_as_current_span("envpool.snapshot", attributes={"sandbox_id": req.sandbox_id}):
+            key, size, digest, task_id = await pool.snapshot(req.sandbox_id)
+        return c.SnapshotRef(key=key, size=size, sha256=digest, task_id=task_id)
 
     async def on_exec(req: c.SandboxExec) -> c.ExecResult:
         sb = pool.get(req.sandbox_id)
         with ctx.tracer.start_as_current_span("envpool.exec", attributes={"sandbox_id": sb.id}):
-            return await sb.exec(req.command, min(req.timeout_s, s.max_command_timeout_s))
+            r = await sb.exec(req.command, min(req.timeout_s, s.max_command_timeout_s))
+        metrics.exec_seconds.observe(r.duration_s)
+        return r
 
     async def on_tools(req: c.SandboxTools) -> c.ToolResults:
         sb = pool.get(req.sandbox_id)
         with ctx.tracer.start_as_current_span("envpool.tools", attributes={"sandbox_id": sb.id, "calls": len(req.calls)}):
-            results = await tools.run_batch(sb, req.calls)
-        tool_calls.add(len(results))
-        tool_errors.add(sum(1 for r in results if r.error))
-        return c.ToolResults(results=results)
+            return c.ToolResults(results=await tools.run_batch(sb, req.calls))
+
+    async def on_renew(req: c.SandboxRenew) -> c.SandboxRenewed:
+        return c.SandboxRenewed(sandbox_id=req.sandbox_id, expires_at=pool.renew(req.sandbox_id, req.ttl_s))
 
     async def on_destroy(req: c.SandboxDestroy) -> c.SandboxDestroyed:
         return c.SandboxDestroyed(sandbox_id=req.sandbox_id, existed=await pool.destroy(req.sandbox_id))
 
+    async def on_stats(_req: c.NodeStatsRequest) -> c.NodeStats:
+        return c.NodeStats(
+            node_id=node_id,
+            backend=s.backend,
+            cgroups=cgroups.mode,
+            leased=len(pool.leases),
+            idle=pool.idle,
+            creating=pool.creating,
+            capacity=s.max_sandboxes,
+            created_total=pool.created_total,
+            reaped_total=pool.reaped_total,
+            http_url=http_url,
+        )
+
     bus = ctx.bus
     await bus.serve(c.ENVPOOL_CREATE, c.SandboxCreate, on_create, queue=c.ENVPOOL_QUEUE)
-    await bus.serve(c.envpool_node_subject(node_id, "exec"), c.SandboxExec, on_exec)
-    await bus.serve(c.envpool_node_subject(node_id, "tools"), c.SandboxTools, on_tools)
-    await bus.serve(c.envpool_node_subject(node_id, "destroy"), c.SandboxDestroy, on_destroy)
-    ctx.health_detail["node_id"] = node_id
+    handlers = {
+        "exec": on_exec, "tools": on_tools, "fork": on_fork, "snapshot": on_snapshot,
+        "renew": on_renew, "destroy": on_destroy, "stats": on_stats,
+    }  # fmt: skip
+    for op, handler in handlers.items():
+        await bus.serve(c.envpool_node_subject(node_id, op), c.ENVPOOL_NODE_MESSAGES[op][0], handler)
+    http_task = None
+    if s.http_port >= 0:
+        http_url, http_task = await serve_http(build_app(node_id, pool, metrics, s.http_token), s.http_host, s.http_port, s.http_token, ctx.stop)
+    ctx.health_detail.update(node_id=node_id, backend=s.backend, cgroups=cgroups.mode, http_url=http_url)
     ctx.ready.set()
-    log.info("env-pool node %s serving (capacity %d, workspaces in %s)", node_id, s.max_sandboxes, root)
+    log.info(
+        "env-pool node %s serving: backend %s, cgroups %s, capacity %d, workspaces in %s%s",
+        node_id, s.backend, cgroups.mode, s.max_sandboxes, root, f", HTTP on {http_url}" if http_url else "",
+    )  # fmt: skip
     try:
         while not await wait_or_stop(ctx.stop, s.reap_interval_s):
-            await pool.reap()
-            ctx.health_detail.update(pool.stats())
+            metrics.reaped.inc(await pool.reap())
+            await pool.refill()
+            ctx.health_detail.update(leased=len(pool.leases), idle=pool.idle, creating=pool.creating, live=len(pool.leases))
     finally:
         await pool.close()
+        if http_task is not None:
+            ctx.stop.set()
+            await http_task
 
 
 def main() -> None:

@@ -1,27 +1,41 @@
-"""The sandboxes one env-pool node owns, with leases.
+"""The sandboxes one env-pool node owns: warm pools, leases, forks and snapshots.
 
-Invariants: the node never holds more than ``max_sandboxes`` (counting ones being
-created): beyond that ``create`` fails at once with ``pool_exhausted`` (backpressure,
-never a wait); every sandbox has a lease and the reaper destroys it when the lease
-expires, so a rollout or reward worker that dies leaks nothing for longer than its TTL.
+Invariants:
+- the node never holds more than ``max_sandboxes`` (leased + warm + being created);
+  when it is full an idle warm sandbox is evicted to make room, and if none is idle
+  ``create`` fails at once with ``pool_exhausted``: backpressure, never a hang;
+- at most ``max_creating`` sandboxes are built at once; a create waits for a slot at
+  most ``create_wait_s`` and then fails with ``busy``;
+- every leased sandbox has an expiry; the reaper destroys it after that unless it is
+  renewed, so a worker that dies leaks nothing for longer than its lease;
+- as root, each live sandbox has its own host uid (``sandbox_uid_base + slot``), its
+  workspace owned by that uid and nobody else's, and its own cgroup.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import shutil
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from kiln.shared.bus import ServiceError
 from kiln.shared.tasks import TaskSuite
 
+from kiln.envpool import workspace as wsp
+from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolSettings
-from kiln.envpool.sandbox import ProcessSandbox, Sandbox
+from kiln.envpool.sandbox import Identity, Limits, Sandbox
 
 log = logging.getLogger("kiln.envpool.pool")
+
+SandboxFactory = Callable[[str, Path, Limits, Identity, object], Sandbox]
 
 
 @dataclass
@@ -29,94 +43,272 @@ class Lease:
     sandbox: Sandbox
     task_id: str
     run_id: str
-    expires_at: float
+    slot: int
     created_at: float
+    expires_at: float | None
+    """None while the sandbox sits idle in a warm pool."""
 
 
 class SandboxPool:
-    def __init__(self, settings: EnvPoolSettings, suite: TaskSuite, root: Path):
-        self.settings = settings
+    def __init__(
+        self,
+        settings: EnvPoolSettings,
+        suite: TaskSuite,
+        root: Path,
+        factory: SandboxFactory,
+        cgroups: CgroupManager,
+        *,
+        put_snapshot: Callable[[str, bytes], Awaitable[None]] | None = None,
+        get_snapshot: Callable[[str], Awaitable[bytes]] | None = None,
+        on_destroy: Callable[[Path], None] | None = None,
+    ):
+        self.s = settings
         self.suite = suite
         self.root = root
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.factory = factory
+        self.cgroups = cgroups
+        self.limits = Limits.from_settings(settings)
+        self.put_snapshot = put_snapshot
+        self.get_snapshot = get_snapshot
+        self.on_destroy = on_destroy
+        """Told each destroyed workspace (the search index drops what it cached for it)."""
+        self.as_root = os.geteuid() == 0
+        self.templates = root / "templates"
+        self.spaces = root / "ws"
+        for d in (self.root, self.templates, self.spaces):
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o711)  # sandbox uids must traverse to their workspace, not list others
         self.leases: dict[str, Lease] = {}
+        self.warm: dict[str, list[Lease]] = {}
+        self.recent: OrderedDict[str, None] = OrderedDict()
         self.creating = 0
+        self.slots = set(range(max(settings.max_sandboxes, 0)))
+        self._build_slots = asyncio.Semaphore(settings.max_creating)
+        self._template_locks: dict[str, asyncio.Lock] = {}
         self.created_total = 0
         self.reaped_total = 0
+        self.exhausted_total = 0
 
-    def __len__(self) -> int:
-        return len(self.leases)
+    # --- accounting ------------------------------------------------------------
 
-    async def create(self, task_id: str, run_id: str, ttl_s: float) -> Sandbox:
-        if len(self.leases) + self.creating >= self.settings.max_sandboxes:
-            raise ServiceError(
-                f"pool exhausted: this node holds {len(self.leases)} of {self.settings.max_sandboxes} sandboxes",
-                "pool_exhausted",
-            )
+    @property
+    def idle(self) -> int:
+        return sum(len(v) for v in self.warm.values())
+
+    def total(self) -> int:
+        return len(self.leases) + self.idle + self.creating
+
+    async def _reserve(self) -> None:
+        """Claim room for one sandbox (``creating`` += 1), evicting an idle one if full."""
+        victim = None
+        if self.total() >= self.s.max_sandboxes:
+            victim = self._oldest_idle()
+            if victim is None:
+                self.exhausted_total += 1
+                raise ServiceError(
+                    f"pool exhausted: this node holds {self.total()} of {self.s.max_sandboxes} sandboxes "
+                    f"({len(self.leases)} leased, {self.creating} being created)",
+                    "pool_exhausted",
+                )
+        # Claim the place before yielding: the refill loop must not take the victim's room.
+        self.creating += 1
+        if victim is not None:
+            try:
+                await self._destroy_lease(victim)
+            except BaseException:
+                self.creating -= 1
+                raise
+
+    def _oldest_idle(self) -> Lease | None:
+        idle = [lease for pool in self.warm.values() for lease in pool]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda lease: lease.created_at)
+        self.warm[victim.task_id].remove(victim)
+        return victim
+
+    # --- building --------------------------------------------------------------
+
+    async def _template(self, task_id: str) -> Path:
         try:
             task = self.suite.get(task_id)
         except KeyError as e:
             raise ServiceError(str(e.args[0]), "unknown_task") from None
-        self.creating += 1
+        dest = self.templates / task_id
+        async with self._template_locks.setdefault(task_id, asyncio.Lock()):
+            if not dest.exists():
+                await asyncio.to_thread(wsp.materialize, task, dest)
+        return dest
+
+    async def _build(self, task_id: str, fill: Callable[[Path], None]) -> Lease:
+        """A new sandbox whose workspace ``fill`` writes; the caller holds a reservation."""
         try:
-            sid = f"sb-{uuid.uuid4().hex[:12]}"
-            ws = self.root / sid
-            ws.mkdir()
-            for rel, text in task.files.items():
-                f = ws / rel
-                f.parent.mkdir(parents=True, exist_ok=True)
-                f.write_text(text)
-            sb = ProcessSandbox(
-                sid,
-                ws,
-                output_limit=self.settings.output_limit_bytes,
-                cpu_seconds=self.settings.cpu_seconds,
-                max_file_bytes=self.settings.max_file_bytes,
-            )
-            now = time.time()
-            self.leases[sid] = Lease(sb, task_id, run_id, now + ttl_s, now)
-            self.created_total += 1
-            return sb
+            await asyncio.wait_for(self._build_slots.acquire(), self.s.create_wait_s)
+        except asyncio.TimeoutError:
+            raise ServiceError(f"{self.s.max_creating} sandboxes are being created; try again", "busy") from None
+        sid = f"sb-{uuid.uuid4().hex[:12]}"
+        ws = self.spaces / sid
+        slot = self.slots.pop()
+        identity = Identity(self.s.sandbox_uid_base + slot, self.s.sandbox_uid_base + slot) if self.as_root else Identity()
+
+        def prepare():  # one thread hop for all the file system work
+            fill(ws)
+            if identity.uid is not None:
+                wsp.chown_tree(ws, identity.uid, identity.gid)
+            return self.cgroups.create(sid, memory_bytes=self.s.memory_bytes, pids=self.s.pids)
+
+        try:
+            cgroup = await asyncio.to_thread(prepare)
+            sb = self.factory(sid, ws, self.limits, identity, cgroup)
+        except BaseException:
+            self.slots.add(slot)
+            await asyncio.to_thread(shutil.rmtree, ws, True)
+            raise
+        finally:
+            self._build_slots.release()
+        self.created_total += 1
+        now = time.time()
+        return Lease(sb, task_id, "", slot, now, None)
+
+    async def _new(self, task_id: str, fill: Callable[[Path], None]) -> Lease:
+        await self._reserve()
+        try:
+            return await self._build(task_id, fill)
         finally:
             self.creating -= 1
 
-    def get(self, sandbox_id: str) -> Sandbox:
+    def _from_template(self, template: Path) -> Callable[[Path], None]:
+        return lambda ws: wsp.clone(template, ws)
+
+    # --- API -------------------------------------------------------------------
+
+    async def create(self, task_id: str, run_id: str, ttl_s: float, snapshot_key: str | None = None) -> Sandbox:
+        if snapshot_key:
+            if self.get_snapshot is None:
+                raise ServiceError("this node has no snapshot store", "unsupported")
+            try:
+                data = await self.get_snapshot(snapshot_key)
+            except Exception as e:
+                raise ServiceError(f"snapshot {snapshot_key} is unavailable: {e}", "not_found") from None
+            lease = await self._new(task_id, lambda ws: wsp.restore(data, None, ws))
+        else:
+            self._touch(task_id)
+            pool = self.warm.get(task_id)
+            if pool:
+                lease = pool.pop()
+            else:
+                template = await self._template(task_id)
+                lease = await self._new(task_id, self._from_template(template))
+        return self._lease(lease, run_id, ttl_s)
+
+    async def fork(self, sandbox_id: str, ttl_s: float) -> Sandbox:
+        src = self._get_lease(sandbox_id)
+        lease = await self._new(src.task_id, self._from_template(src.sandbox.workspace))
+        return self._lease(lease, src.run_id, ttl_s)
+
+    async def snapshot(self, sandbox_id: str) -> tuple[str, int, str, str]:
+        """(key, size, sha256, task_id) of a snapshot stored in the object store."""
+        if self.put_snapshot is None:
+            raise ServiceError("this node has no snapshot store", "unsupported")
+        lease = self._get_lease(sandbox_id)
+        data, digest = await asyncio.to_thread(wsp.snapshot, lease.sandbox.workspace)
+        key = f"{lease.task_id}/{sandbox_id}-{digest[:16]}"
+        await self.put_snapshot(key, data)
+        return key, len(data), digest, lease.task_id
+
+    def _lease(self, lease: Lease, run_id: str, ttl_s: float) -> Sandbox:
+        lease.run_id = run_id
+        lease.expires_at = time.time() + (ttl_s or self.s.default_ttl_s)
+        self.leases[lease.sandbox.id] = lease
+        return lease.sandbox
+
+    def _get_lease(self, sandbox_id: str) -> Lease:
         lease = self.leases.get(sandbox_id)
         if lease is None:
             raise ServiceError(f"sandbox {sandbox_id} does not exist on this node (destroyed or expired)", "not_found")
-        return lease.sandbox
+        return lease
 
-    def renew(self, sandbox_id: str, ttl_s: float) -> None:
-        lease = self.leases.get(sandbox_id)
-        if lease:
-            lease.expires_at = max(lease.expires_at, time.time() + ttl_s)
+    def get(self, sandbox_id: str) -> Sandbox:
+        return self._get_lease(sandbox_id).sandbox
+
+    def renew(self, sandbox_id: str, ttl_s: float) -> float:
+        lease = self._get_lease(sandbox_id)
+        lease.expires_at = max(lease.expires_at or 0.0, time.time() + ttl_s)
+        return lease.expires_at
 
     async def destroy(self, sandbox_id: str) -> bool:
         lease = self.leases.pop(sandbox_id, None)
         if lease is None:
             return False
-        await lease.sandbox.destroy()
+        await self._destroy_lease(lease)
         return True
+
+    async def _destroy_lease(self, lease: Lease) -> None:
+        try:
+            await lease.sandbox.destroy()
+        finally:
+            self.slots.add(lease.slot)
+            if self.on_destroy is not None:
+                self.on_destroy(lease.sandbox.workspace)
+
+    # --- upkeep ----------------------------------------------------------------
+
+    def _touch(self, task_id: str) -> None:
+        self.recent[task_id] = None
+        self.recent.move_to_end(task_id)
+        while len(self.recent) > self.s.warm_tasks:
+            old, _ = self.recent.popitem(last=False)
+            self.warm.setdefault(old, [])
 
     async def reap(self) -> int:
         now = time.time()
-        expired = [sid for sid, lease in self.leases.items() if lease.expires_at < now]
+        expired = [sid for sid, lease in self.leases.items() if lease.expires_at is not None and lease.expires_at < now]
         for sid in expired:
             log.info("lease of %s expired; destroying it", sid)
             await self.destroy(sid)
         self.reaped_total += len(expired)
         return len(expired)
 
+    async def refill(self) -> None:
+        """Top up the warm pools of recently used tasks; drop those of forgotten tasks."""
+        for task_id in [t for t in self.warm if t not in self.recent]:
+            for lease in self.warm.pop(task_id):
+                await self._destroy_lease(lease)
+        for task_id in list(self.recent):
+            pool = self.warm.setdefault(task_id, [])
+            while len(pool) < self.s.warm_per_task and self.total() < self.s.max_sandboxes:
+                template = await self._template(task_id)
+                self.creating += 1
+                try:
+                    pool.append(await self._build(task_id, self._from_template(template)))
+                except ServiceError:
+                    return  # busy: the next round tops up
+                finally:
+                    self.creating -= 1
+
     async def close(self) -> None:
         for sid in list(self.leases):
             await self.destroy(sid)
-        shutil.rmtree(self.root, ignore_errors=True)
+        for pool in self.warm.values():
+            for lease in pool:
+                await self._destroy_lease(lease)
+        self.warm.clear()
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+        await asyncio.to_thread(self.cgroups.close)
 
-    def stats(self) -> dict:
-        return {
-            "live": len(self.leases),
-            "creating": self.creating,
-            "capacity": self.settings.max_sandboxes,
-            "created_total": self.created_total,
-            "reaped_total": self.reaped_total,
-        }
+    def listing(self) -> list[dict]:
+        rows = [(lease, "leased") for lease in self.leases.values()]
+        rows += [(lease, "idle") for pool in self.warm.values() for lease in pool]
+        return [
+            {
+                "sandbox_id": lease.sandbox.id,
+                "task_id": lease.task_id,
+                "run_id": lease.run_id,
+                "state": state,
+                "created_at": lease.created_at,
+                "expires_at": lease.expires_at,
+                "uid": lease.sandbox.identity.uid,
+                "over_quota": lease.sandbox.over_quota,
+            }
+            for lease, state in rows
+        ]

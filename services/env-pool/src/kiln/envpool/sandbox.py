@@ -1,114 +1,212 @@
 """Sandboxes: a workspace and a way to run commands in it.
 
-``Sandbox`` is the interface every backend implements (``exec``, ``destroy``). The
-``process`` backend here runs each command as ``bash -c`` in a fresh session whose
-working directory is the workspace, with a cleared environment, rlimits (CPU seconds,
-file size, open files), a wall-clock timeout that kills the whole process group, and
-captured output capped to head + tail with the cut marked. It isolates nothing else:
-it is the development backend; the bubblewrap backend (namespaces, no network,
-read-only system) implements the same interface.
+``Sandbox`` is the interface every backend implements: ``run`` (an argv, in the
+workspace, under the sandbox's limits) and ``destroy``; ``exec`` runs a bash command
+through ``run``. Shared by all backends (``spawn``): a cleared environment, rlimits
+(CPU seconds, address space, file size, open files, processes), the sandbox's cgroup
+joined before exec, a wall-clock timeout that kills the whole process group (and
+everything left in the cgroup), and output capped to head + tail with the cut marked;
+a command that floods its output past ``output_kill_bytes`` is killed.
+
+Invariant: when ``run`` returns, no process of the sandbox is left running, so the
+host-side file tools never race a sandboxed process (no check-then-use window).
+
+The ``process`` backend here isolates nothing beyond that; ``bwrap.py`` is the real
+one (namespaces, read-only system, no network, unprivileged uid).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import shutil
 import signal
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-
 from kiln.shared.contracts import ExecResult
+
+from kiln.envpool.cgroups import Cgroup
+from kiln.envpool.workspace import usage_bytes
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
+@dataclass(frozen=True)
+class Limits:
+    cpu_seconds: int
+    address_space_bytes: int
+    max_file_bytes: int
+    open_files: int
+    processes: int
+    output_limit_bytes: int
+    output_kill_bytes: int
+    tmp_bytes: int
+    workspace_quota_bytes: int
+
+    @classmethod
+    def from_settings(cls, s) -> Limits:
+        return cls(**{k: getattr(s, k) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Host uid/gid the sandbox's processes run as (None: env-pool's own)."""
+
+    uid: int | None = None
+    gid: int | None = None
+
+
 class Sandbox(ABC):
-    def __init__(self, sandbox_id: str, workspace: Path):
+    def __init__(self, sandbox_id: str, workspace: Path, limits: Limits, identity: Identity, cgroup: Cgroup | None):
         self.id = sandbox_id
         self.workspace = workspace
+        self.limits = limits
+        self.identity = identity
+        self.cgroup = cgroup
+        self.over_quota = False
+        self._entries = 0
 
     @abstractmethod
+    async def run(self, argv: list[str], timeout_s: float) -> ExecResult:
+        """Run ``argv`` in the workspace; never raises for the command's own failures."""
+
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
-        """Run ``command`` in the workspace; never raises for the command's own failures."""
+        return await self.run(["bash", "-c", command], timeout_s)
 
-    @abstractmethod
     async def destroy(self) -> None:
-        """Kill anything still running and delete the workspace."""
+        """Kill anything still running, drop the cgroup, delete the workspace."""
+
+        def remove() -> None:
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            shutil.rmtree(self.workspace, True)
+
+        await asyncio.to_thread(remove)
+
+    async def usage(self) -> int:
+        """Bytes the workspace uses; walked inline while it is small (a thread hop costs
+        more than walking a few dozen files), in a thread once it is big."""
+        if self._entries < 256:
+            used, self._entries = usage_bytes(self.workspace)
+        else:
+            used, self._entries = await asyncio.to_thread(usage_bytes, self.workspace)
+        return used
+
+    def launcher(self, argv: list[str]) -> list[str]:
+        """``argv`` wrapped so that, before it runs, the process has joined the sandbox's
+        cgroup (as root), dropped to the sandbox's uid (``setpriv``) and taken its rlimits
+        (``prlimit``). Done by exec'd tools rather than a Python ``preexec_fn`` so that the
+        parent can ``vfork``: a fork of env-pool plus Python in the child cost ~3x more CPU."""
+        lim, ident = self.limits, self.identity
+        out: list[str] = []
+        if self.cgroup is not None:
+            procs = [str(d / "cgroup.procs") for d in self.cgroup.dirs]
+            out += ["/bin/sh", "-c", _JOIN, "sh", str(len(procs)), *procs]
+        if ident.uid is not None:
+            out += [_tool("setpriv"), f"--reuid={ident.uid}", f"--regid={ident.gid}", "--clear-groups"]
+        out += [
+            _tool("prlimit"),
+            f"--cpu={lim.cpu_seconds}",
+            f"--as={lim.address_space_bytes}",
+            f"--fsize={lim.max_file_bytes}",
+            f"--nofile={lim.open_files}",
+            f"--nproc={lim.processes}",
+            "--core=0",
+            "--",
+        ]
+        return out + argv
+
+
+_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; exec "$@"'
+"""Writes the shell's own pid to each cgroup.procs given, then execs the rest."""
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if found is None:
+        raise RuntimeError(f"{name} (util-linux) is required to start sandboxes")
+    return found
+
+
+async def spawn(sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | None, env: dict[str, str]) -> ExecResult:
+    """Run ``argv`` under ``sb``'s limits; the whole process tree is gone when this returns."""
+    if sb.over_quota:
+        return ExecResult(
+            exit_code=-1, stdout="", stderr=_quota_note(sb), timed_out=False, duration_s=0.0, truncated=False
+        )
+    t0 = time.monotonic()
+    ooms = sb.cgroup.oom_kills() if sb.cgroup is not None else 0
+    proc = await asyncio.create_subprocess_exec(
+        *sb.launcher(argv),
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    flood = asyncio.Event()
+    out = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
+    err = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
+    readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
+    waiter = asyncio.ensure_future(proc.wait())
+    flooded = asyncio.ensure_future(flood.wait())
+    try:
+        done, _ = await asyncio.wait({waiter, flooded}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        flooded.cancel()
+        _kill_group(proc.pid)
+        if sb.cgroup is not None and sb.cgroup.pids():  # a few bytes to read: no thread hop
+            await asyncio.to_thread(sb.cgroup.kill)
+        await waiter
+    timed_out = not done
+    try:  # the tree is dead, so EOF is near; never wait for it forever
+        await asyncio.wait_for(readers, 2.0)
+    except asyncio.TimeoutError:
+        readers.cancel()
+    notes = []
+    if await sb.usage() > sb.limits.workspace_quota_bytes:
+        sb.over_quota = True
+        notes.append(_quota_note(sb))
+    if timed_out:
+        notes.append(f"[killed: command exceeded its {timeout_s:g}s timeout]")
+    if sb.cgroup is not None and sb.cgroup.oom_kills() > ooms:
+        notes.append("[killed: the sandbox ran out of memory]")
+    if flood.is_set():
+        notes.append(f"[killed: command wrote more than {sb.limits.output_kill_bytes} bytes of output]")
+    return ExecResult(
+        exit_code=-9 if (timed_out or flood.is_set()) else proc.returncode,
+        stdout=out.text(),
+        stderr=err.text() + "".join("\n" + n for n in notes),
+        timed_out=timed_out,
+        duration_s=time.monotonic() - t0,
+        truncated=out.truncated or err.truncated,
+    )
 
 
 class ProcessSandbox(Sandbox):
-    def __init__(self, sandbox_id: str, workspace: Path, *, output_limit: int, cpu_seconds: int, max_file_bytes: int):
-        super().__init__(sandbox_id, workspace)
-        self.output_limit = output_limit
-        self.cpu_seconds = cpu_seconds
-        self.max_file_bytes = max_file_bytes
-        self._procs: set[asyncio.subprocess.Process] = set()
+    """A plain subprocess in the workspace: limits, but no isolation (development only)."""
 
-    def _env(self) -> dict[str, str]:
-        return {
+    async def run(self, argv: list[str], timeout_s: float) -> ExecResult:
+        tmp = self.workspace / ".tmp"
+        tmp.mkdir(exist_ok=True)
+        env = {
             "PATH": SANDBOX_PATH,
             "HOME": str(self.workspace),
-            "TMPDIR": str(self.workspace / ".tmp"),
+            "TMPDIR": str(tmp),
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        return await spawn(self, argv, timeout_s, cwd=self.workspace, env=env)
 
-    def _limits(self) -> None:  # runs in the child between fork and exec
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.max_file_bytes, self.max_file_bytes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    async def exec(self, command: str, timeout_s: float) -> ExecResult:
-        (self.workspace / ".tmp").mkdir(exist_ok=True)
-        t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            "bash",
-            "-c",
-            command,
-            cwd=self.workspace,
-            env=self._env(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=self._limits,
-        )
-        self._procs.add(proc)
-        out, err = _Capped(self.output_limit), _Capped(self.output_limit)
-        readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
-        timed_out = False
-        try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-        finally:
-            _kill_group(proc.pid)
-            await proc.wait()
-            self._procs.discard(proc)
-        # The group is dead; a grandchild that escaped into its own session could still
-        # hold the pipes open, so do not wait for EOF forever.
-        try:
-            await asyncio.wait_for(readers, 2.0)
-        except asyncio.TimeoutError:
-            readers.cancel()
-        return ExecResult(
-            exit_code=-9 if timed_out else proc.returncode,
-            stdout=out.text(),
-            stderr=err.text() + (f"\n[killed: command exceeded its {timeout_s:g}s timeout]" if timed_out else ""),
-            timed_out=timed_out,
-            duration_s=time.monotonic() - t0,
-            truncated=out.truncated or err.truncated,
-        )
-
-    async def destroy(self) -> None:
-        for proc in list(self._procs):
-            _kill_group(proc.pid)
-        await asyncio.to_thread(shutil.rmtree, self.workspace, True)
+def _quota_note(sb: Sandbox) -> str:
+    return (
+        f"[workspace is over its {sb.limits.workspace_quota_bytes} byte quota: this sandbox runs no more commands]"
+    )
 
 
 def _kill_group(pid: int) -> None:
@@ -119,12 +217,15 @@ def _kill_group(pid: int) -> None:
 
 
 class _Capped:
-    """Keeps the first and last ``limit/2`` bytes of a stream and counts what was cut."""
+    """Keeps the first and last ``limit/2`` bytes of a stream; sets ``flood`` past ``kill_at``."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, kill_at: int, flood: asyncio.Event):
         self.half = max(1, limit // 2)
+        self.kill_at = kill_at
+        self.flood = flood
         self.head = bytearray()
         self.tail = bytearray()
+        self.seen = 0
         self.dropped = 0
 
     @property
@@ -135,6 +236,9 @@ class _Capped:
         if stream is None:
             return
         while chunk := await stream.read(65536):
+            self.seen += len(chunk)
+            if self.seen > self.kill_at:
+                self.flood.set()
             room = self.half - len(self.head)
             if room > 0:
                 self.head += chunk[:room]

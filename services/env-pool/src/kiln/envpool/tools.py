@@ -1,36 +1,56 @@
 """The agent's tools, executed against one sandbox.
 
 Invariants: a path argument never reaches outside the workspace (absolute paths, ``..``
-and symlinks that resolve outside are refused); every failure is a ``ToolResult`` with
-``error`` set, never an exception, so a bad call is an observation for the model; a
-batch returns its results in call order, with consecutive read-only calls run
-concurrently and every other call run alone, in order.
+and symlinks that resolve outside are refused), and the file tools only touch regular
+files and directories (a FIFO or socket planted by the agent cannot block env-pool);
+files env-pool writes belong to the sandbox's uid; every failure is a ``ToolResult``
+with ``error`` set, never an exception, so a bad call is an observation for the model;
+a batch returns its results in call order, with consecutive read-only calls run
+concurrently and every other call run alone, in order. The file tools run on the host
+side, which is safe because no sandbox process outlives a command (``sandbox.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
+import time
 from pathlib import Path
+
+from opentelemetry import trace
 
 from kiln.shared.contracts import ToolCall, ToolResult
 from kiln.shared.tools import (
     READ_ONLY_TOOLS,
     EditFileArgs,
+    GrepArgs,
     ListDirArgs,
     ReadFileArgs,
     RunTerminalCmdArgs,
+    SemanticSearchArgs,
     ToolCallError,
     WriteFileArgs,
     validate_call,
 )
 
+from kiln.envpool import search
 from kiln.envpool.sandbox import Sandbox
 
 
+MUTATING_FILE_TOOLS = frozenset({"edit_file", "write_file"})
+
+
 class ToolExecutor:
-    def __init__(self, *, max_read_bytes: int, max_timeout_s: float):
+    def __init__(
+        self, *, max_read_bytes: int, max_timeout_s: float, grep_max_matches: int, index, metrics=None, tracer=None
+    ):
+        self.tracer = tracer or trace.get_tracer("kiln.envpool.tools")
         self.max_read_bytes = max_read_bytes
         self.max_timeout_s = max_timeout_s
+        self.grep_max_matches = grep_max_matches
+        self.index = index
+        self.metrics = metrics
 
     async def run_batch(self, sandbox: Sandbox, calls: list[ToolCall]) -> list[ToolResult]:
         results: list[ToolResult] = []
@@ -48,13 +68,54 @@ class ToolExecutor:
         return results
 
     async def run_one(self, sandbox: Sandbox, call: ToolCall) -> ToolResult:
+        with self.tracer.start_as_current_span(f"tool {call.name}", attributes={"tool": call.name}) as span:
+            result = await self._run_one(sandbox, call)
+            span.set_attribute("error", result.error or "")
+        return result
+
+    async def _run_one(self, sandbox: Sandbox, call: ToolCall) -> ToolResult:
+        t0 = time.monotonic()
         try:
             args = validate_call(call.name, call.arguments)
-            output = await getattr(self, f"_{call.name}")(sandbox, args)
-            return ToolResult(call_id=call.id, name=call.name, output=output)
+            if call.name in MUTATING_FILE_TOOLS and sandbox.over_quota:
+                raise ToolCallError("the workspace is over its disk quota; no more writes")
+            result = ToolResult(call_id=call.id, name=call.name, output=await getattr(self, f"_{call.name}")(sandbox, args))
         except (ToolCallError, OSError, UnicodeDecodeError) as e:
-            msg = str(e) if isinstance(e, ToolCallError) else f"{type(e).__name__}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
-            return ToolResult(call_id=call.id, name=call.name, error=msg)
+            if isinstance(e, ToolCallError):
+                msg = str(e)
+            elif isinstance(e, OSError) and e.strerror:
+                msg = f"{type(e).__name__}: {e.strerror}"
+            else:
+                msg = f"{type(e).__name__}: {e}"
+            result = ToolResult(call_id=call.id, name=call.name, error=msg)
+        if self.metrics is not None:
+            name = call.name if call.name in READ_ONLY_TOOLS | MUTATING_FILE_TOOLS | {"run_terminal_cmd"} else "unknown"
+            self.metrics.tool_calls.labels(name).inc()
+            self.metrics.tool_seconds.labels(name).observe(time.monotonic() - t0)
+            if result.error:
+                self.metrics.tool_errors.labels(name).inc()
+        return result
+
+    def _regular(self, f: Path, shown: str) -> Path:
+        try:
+            mode = f.stat().st_mode
+        except FileNotFoundError:
+            raise ToolCallError(f"{shown}: no such file") from None
+        if stat.S_ISDIR(mode):
+            raise ToolCallError(f"{shown} is a directory")
+        if not stat.S_ISREG(mode):
+            raise ToolCallError(f"{shown} is not a regular file")
+        return f
+
+    def _own(self, sandbox: Sandbox, path: Path) -> None:
+        """Files env-pool creates belong to the sandbox (as root it would own them itself)."""
+        ident = sandbox.identity
+        if ident.uid is None:
+            return
+        root = sandbox.workspace.resolve()
+        while path != root and root in path.parents:
+            os.chown(path, ident.uid, ident.gid, follow_symlinks=False)
+            path = path.parent
 
     def _resolve(self, sandbox: Sandbox, path: str) -> Path:
         p = Path(path)
@@ -69,9 +130,7 @@ class ToolExecutor:
         return full
 
     async def _read_file(self, sandbox: Sandbox, a: ReadFileArgs) -> str:
-        f = self._resolve(sandbox, a.path)
-        if not f.is_file():
-            raise ToolCallError(f"{a.path}: no such file")
+        f = self._regular(self._resolve(sandbox, a.path), a.path)
         if f.stat().st_size > self.max_read_bytes:
             raise ToolCallError(f"{a.path} is larger than {self.max_read_bytes} bytes; read a line range")
         lines = f.read_text().splitlines(keepends=True)
@@ -84,14 +143,13 @@ class ToolExecutor:
     async def _edit_file(self, sandbox: Sandbox, a: EditFileArgs) -> str:
         f = self._resolve(sandbox, a.path)
         if a.old == "":
-            if f.exists() and f.stat().st_size > 0:
+            if f.exists() and (not f.is_file() or f.stat().st_size > 0):
                 raise ToolCallError(f"{a.path} already exists; give the exact text to replace in `old`")
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(a.new)
+            self._own(sandbox, f)
             return f"created {a.path}"
-        if not f.is_file():
-            raise ToolCallError(f"{a.path}: no such file")
-        text = f.read_text()
+        text = self._regular(f, a.path).read_text()
         n = text.count(a.old)
         if n == 0:
             raise ToolCallError(f"`old` text not found in {a.path}")
@@ -102,20 +160,35 @@ class ToolExecutor:
 
     async def _write_file(self, sandbox: Sandbox, a: WriteFileArgs) -> str:
         f = self._resolve(sandbox, a.path)
-        if f.is_dir():
-            raise ToolCallError(f"{a.path} is a directory")
+        if f.exists() or f.is_symlink():
+            self._regular(f, a.path)
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(a.content)
+        self._own(sandbox, f)
         return f"wrote {len(a.content)} characters to {a.path}"
 
     async def _list_dir(self, sandbox: Sandbox, a: ListDirArgs) -> str:
         d = self._resolve(sandbox, a.path)
         if not d.is_dir():
             raise ToolCallError(f"{a.path}: no such directory")
-        entries = sorted(
-            (e.name + ("/" if e.is_dir() else "")) for e in d.iterdir() if not (d == sandbox.workspace.resolve() and e.name == ".tmp")
-        )
+        hide = {".tmp"} if d == sandbox.workspace.resolve() else set()
+        with os.scandir(d) as it:  # never follow links: a link to /etc says "link", not what /etc holds
+            entries = sorted(
+                e.name + ("/" if e.is_dir(follow_symlinks=False) else "@" if e.is_symlink() else "")
+                for e in it
+                if e.name not in hide
+            )
         return "\n".join(entries)
+
+    async def _grep(self, sandbox: Sandbox, a: GrepArgs) -> str:
+        target = self._resolve(sandbox, a.path)
+        if not target.exists():
+            raise ToolCallError(f"{a.path}: no such file or directory")
+        return await search.grep(sandbox.workspace.resolve(), target, a, max_matches=self.grep_max_matches)
+
+    async def _semantic_search(self, sandbox: Sandbox, a: SemanticSearchArgs) -> str:
+        method, hits = await self.index.search(sandbox.workspace.resolve(), a.query, a.k)
+        return search.format_hits(method, hits)
 
     async def _run_terminal_cmd(self, sandbox: Sandbox, a: RunTerminalCmdArgs) -> str:
         r = await sandbox.exec(a.command, min(a.timeout, self.max_timeout_s))

@@ -1,0 +1,205 @@
+"""env-pool latency and capacity, side by side in one run on this machine.
+
+    .venv/bin/python bench/envpool.py [--n 300] [--concurrency 8] [--idle 1000] [--nodes 1]
+
+(a) bare ``subprocess`` run of ``true``; (b) bare ``bwrap ... true`` with the sandbox's own
+arguments; (c) env-pool create -> one ``run_terminal_cmd`` -> destroy over NATS (the full
+lifecycle a rollout sample costs), sequentially for latency and ``--concurrency`` at a
+time for lifecycles per second; (d) one ``read_file`` round trip on a live sandbox; then
+``--idle`` sandboxes leased and held at once, with the node's memory (RSS of env-pool
+and nats-server, plus the cgroups' and tmpfs's use) measured while they are held.
+Everything runs against a real nats-server and a real env-pool node (its own process).
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kiln.shared import contracts as c
+from kiln.shared.bus import Bus, RemoteError
+from kiln.shared.config import NatsSettings, load_config, render_toml
+from kiln.shared.embedded import NatsServer
+from kiln.shared.envpool_client import EnvPoolClient
+
+from kiln.envpool.config import EnvPoolConfig
+from kiln.envpool.sandbox import Identity, Limits
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def row(name: str, samples: list[float], per_s: float | None = None) -> str:
+    p50, p99 = pct(samples, 0.5) * 1e3, pct(samples, 0.99) * 1e3
+    rate = f"{per_s:,.0f}" if per_s is not None else f"{1 / statistics.mean(samples):,.0f}"
+    return f"| {name} | {p50:.2f} | {p99:.2f} | {rate} |"
+
+
+def cpu_s(pid: int) -> tuple[float, float, float]:
+    """(user CPU seconds, system CPU seconds, reaped children's CPU seconds) of a process."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(f[11]) / tick, int(f[12]) / tick, (int(f[13]) + int(f[14])) / tick
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-envpool-"))
+    nats = NatsServer(tmp / "nats").start()
+    exp = tmp / "exp.toml"
+    exp.write_text(render_toml({
+        "nats": {"url": nats.url},
+        "telemetry": {"log_format": "text", "log_level": "WARNING"},
+        "envpool": {"node_id": "bench", "max_sandboxes": idle + 64, "warm_per_task": 4, "semantic_mode": "bm25",
+                    "reap_interval_s": 0.2, "http_port": -1},
+    }))  # fmt: skip
+    cfg = load_config(EnvPoolConfig, exp)
+    # Nodes run as their own processes, as deployed; this process is only their client.
+    # Node "bench" serves every per-node measurement; extra nodes share creates (queue group).
+    node = subprocess.Popen([sys.executable, *os.environ.get("KILN_BENCH_NODE_PREFIX", "").split(), "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "bench"])
+    extra = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", f"bench{i}",
+             "--set", f'envpool.node_id="bench{i}"'],
+        )
+        for i in range(1, nodes)
+    ]  # fmt: skip
+    bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
+    pool = EnvPoolClient(bus)
+    for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]:
+        for _ in range(300):
+            try:
+                await pool.stats(name)
+                break
+            except RemoteError:
+                await asyncio.sleep(0.1)
+    rows = []
+    try:
+        # (a) bare subprocess
+        a = []
+        for _ in range(n):
+            t = time.perf_counter()
+            subprocess.run(["true"], check=True)
+            a.append(time.perf_counter() - t)
+        rows.append(row("(a) bare subprocess `true`", a))
+
+        # (b) bare bwrap with the sandbox's own arguments
+        ref = await pool.create("fix-calc")
+        reply = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="fix-calc"), c.SandboxCreated)
+        from kiln.envpool import bwrap as bw
+
+        etc = Path(reply.workspace).parent.parent / "etc"
+        system = bw.system_args(cfg.envpool.ro_binds, etc)
+        ws = Path(reply.workspace)
+        sb = bw.BwrapSandbox("b", ws, Limits.from_settings(cfg.envpool), Identity(), None, system=system)
+        argv = sb.argv(["true"])  # bwrap with the sandbox's own arguments, nothing around it
+        b = []
+        for _ in range(n):
+            t = time.perf_counter()
+            subprocess.run(argv, check=True)
+            b.append(time.perf_counter() - t)
+        rows.append(row("(b) bare `bwrap ... true`", b))
+        await pool.destroy(reply.sandbox)
+
+        call = c.ToolCall(id="t", name="run_terminal_cmd", arguments={"command": "true"})
+
+        async def lifecycle() -> float:
+            t = time.perf_counter()
+            r = await pool.create("fix-calc")
+            (res,) = await pool.tools(r, [call])
+            assert res.error is None and res.output.startswith("exit code: 0"), res
+            await pool.destroy(r)
+            return time.perf_counter() - t
+
+        for _ in range(20):  # warm up: templates, warm pool, JIT-less but cached imports
+            await lifecycle()
+        procs = {"env-pool": [node, *extra], "nats-server": [nats.proc]}
+        before = {k: [cpu_s(p.pid) for p in ps] for k, ps in procs.items()}
+        me0 = os.times()
+        cseq = [await lifecycle() for _ in range(n)]
+        me1 = os.times()
+        after = {k: [cpu_s(p.pid) for p in ps] for k, ps in procs.items()}
+        rows.append(row("(c) create -> run_terminal_cmd -> destroy, sequential", cseq))
+
+        def per(k: str, i: int) -> float:
+            return 1e3 * sum(a[i] - b[i] for a, b in zip(after[k], before[k])) / n
+
+        cpu_note = (
+            f"CPU per sequential lifecycle: env-pool {per('env-pool', 0):.1f} ms user + {per('env-pool', 1):.1f} ms system, "
+            f"its sandboxes (bwrap, the command) {per('env-pool', 2):.1f} ms, nats-server "
+            f"{per('nats-server', 0) + per('nats-server', 1):.1f} ms, this client "
+            f"{1e3 * ((me1.user - me0.user) + (me1.system - me0.system)) / n:.1f} ms"
+        )
+        done = 0
+        t0 = time.perf_counter()
+        cpar: list[float] = []
+
+        async def worker() -> None:
+            nonlocal done
+            while done < n:
+                done += 1
+                cpar.append(await lifecycle())
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        rows.append(row(f"(c) same, {concurrency} at a time, {nodes} node(s)", cpar, n / (time.perf_counter() - t0)))
+
+        read = c.ToolCall(id="r", name="read_file", arguments={"path": "calc.py"})
+        d = []
+        for _ in range(n):
+            t = time.perf_counter()
+            (res,) = await pool.tools(ref, [read])
+            d.append(time.perf_counter() - t)
+            assert res.error is None
+        rows.append(row("(d) read_file round trip", d))
+
+        # capacity: idle leased sandboxes held at once
+        before = rss_mib(node.pid)
+        t = time.perf_counter()
+        held = []
+        for i in range(0, idle, 32):
+            held += await asyncio.gather(*(pool.create("fix-calc") for _ in range(min(32, idle - i))))
+        took = time.perf_counter() - t
+        shm = subprocess.run(["du", "-sm", "/dev/shm/kiln-envpool/bench"], capture_output=True, text=True).stdout.split()[0]
+        mem = (
+            f"{len(held)} idle leased sandboxes created in {took:.1f} s; env-pool RSS {rss_mib(node.pid):.0f} MiB "
+            f"(+{rss_mib(node.pid) - before:.0f} MiB for them), nats-server RSS {rss_mib(nats.proc.pid):.0f} MiB, "
+            f"workspaces {shm} MiB of tmpfs"
+        )
+        await asyncio.gather(*(pool.destroy(r) for r in held))
+    finally:
+        await bus.close()
+        for p in [node, *extra]:
+            p.send_signal(signal.SIGTERM)
+        for p in [node, *extra]:
+            p.wait(30)
+        nats.stop()
+    print("| operation | p50 ms | p99 ms | per second |\n|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\n{cpu_note}\n\n{mem}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--idle", type=int, default=1000)
+    ap.add_argument("--nodes", type=int, default=1, help="env-pool processes sharing the creates")
+    a = ap.parse_args()
+    asyncio.run(main(a.n, a.concurrency, a.idle, a.nodes))

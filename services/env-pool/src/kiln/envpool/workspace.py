@@ -1,0 +1,76 @@
+"""Workspace trees: task templates, clones, snapshots, usage.
+
+Invariants: copies never follow symlinks (a workspace is untrusted: a link to
+``/etc/shadow`` stays a link, it is not copied as the file); a snapshot restores only
+regular files, directories and links that stay inside the workspace (``tarfile``'s
+``data`` filter), so a crafted archive cannot write outside its destination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+from kiln.shared.tasks import Task
+
+SKIP = {".tmp"}
+"""Per-command scratch that is never part of a workspace's state."""
+
+
+def materialize(task: Task, dest: Path) -> None:
+    """Write a task's files under ``dest`` (the template every sandbox of the task copies)."""
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for rel, text in task.files.items():
+        f = tmp / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    os.replace(tmp, dest)
+
+
+def clone(src: Path, dest: Path) -> None:
+    shutil.copytree(src, dest, symlinks=True, ignore=lambda d, names: [n for n in names if n in SKIP and Path(d) == src])
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.chown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            os.chown(os.path.join(dirpath, n), uid, gid, follow_symlinks=False)
+
+
+def usage_bytes(root: Path) -> tuple[int, int]:
+    """(bytes allocated under ``root``, number of entries walked)."""
+    total = entries = 0
+    for dirpath, dirs, files in os.walk(root):
+        entries += len(dirs) + len(files)
+        for n in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total, entries
+
+
+def snapshot(root: Path) -> tuple[bytes, str]:
+    """A gzipped tar of the workspace (links stored as links) and its sha256."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+        for entry in sorted(os.listdir(root)):
+            if entry not in SKIP:
+                tar.add(root / entry, arcname=entry, recursive=True)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def restore(data: bytes, sha256: str | None, dest: Path) -> None:
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError("snapshot does not match its sha256")
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        tar.extractall(dest, filter="data")
