@@ -53,6 +53,18 @@ def cpu_s(pid: int) -> tuple[float, float, float]:
     return int(f[11]) / tick, int(f[12]) / tick, (int(f[13]) + int(f[14])) / tick
 
 
+class _Pid:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+
+def _is_zygote(p: Path) -> bool:
+    try:
+        return b"zygote.py" in (p / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -108,16 +120,9 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         etc = Path(reply.workspace).parent.parent / "etc"
         system = bw.system_args(cfg.envpool.ro_binds, etc)
         ws = Path(reply.workspace)
-        sb = bw.BwrapSandbox("b", ws, Limits.from_settings(cfg.envpool), Identity(), None, system=system)
+        sb = bw.BwrapSandbox("b", ws, Limits.from_settings(cfg.envpool), Identity(), None, None, system=system)
         argv = sb.argv(["true"])  # bwrap with the sandbox's own arguments, nothing around it
-        b = []
-        for _ in range(n):
-            t = time.perf_counter()
-            subprocess.run(argv, check=True)
-            b.append(time.perf_counter() - t)
-        rows.append(row("(b) bare `bwrap ... true`", b))
-        await pool.destroy(reply.sandbox)
-
+        zygotes = [_Pid(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_zygote(p)]
         call = c.ToolCall(id="t", name="run_terminal_cmd", arguments={"command": "true"})
 
         async def lifecycle() -> float:
@@ -128,22 +133,36 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
             await pool.destroy(r)
             return time.perf_counter() - t
 
-        for _ in range(20):  # warm up: templates, warm pool, JIT-less but cached imports
+        for _ in range(20):  # warm up: templates, warm pool, caches
             await lifecycle()
-        procs = {"env-pool": [node, *extra], "nats-server": [nats.proc]}
+        # (b) then (c), each in a tight loop, right after one another. (Interleaving them
+        # one sample each was tried: every lifecycle then starts with four idle processes
+        # to wake on this 2-vCPU VM, and (c) measured ~40% slower.)
+        b = []
+        for _ in range(n):
+            t = time.perf_counter()
+            subprocess.run(argv, check=True)
+            b.append(time.perf_counter() - t)
+        cseq = [await lifecycle() for _ in range(n)]
+        rows.append(row("(b) bare `bwrap ... true`", b))
+        await pool.destroy(reply.sandbox)
+        procs = {"env-pool": [node, *extra], "zygote": zygotes, "nats-server": [nats.proc]}
         before = {k: [cpu_s(p.pid) for p in ps] for k, ps in procs.items()}
         me0 = os.times()
-        cseq = [await lifecycle() for _ in range(n)]
+        for _ in range(n):
+            await lifecycle()
         me1 = os.times()
         after = {k: [cpu_s(p.pid) for p in ps] for k, ps in procs.items()}
         rows.append(row("(c) create -> run_terminal_cmd -> destroy, sequential", cseq))
+        ratio = pct(cseq, 0.5) / pct(b, 0.5)
 
         def per(k: str, i: int) -> float:
             return 1e3 * sum(a[i] - b[i] for a, b in zip(after[k], before[k])) / n
 
         cpu_note = (
             f"CPU per sequential lifecycle: env-pool {per('env-pool', 0):.1f} ms user + {per('env-pool', 1):.1f} ms system, "
-            f"its sandboxes (bwrap, the command) {per('env-pool', 2):.1f} ms, nats-server "
+            f"its launcher {per('zygote', 0) + per('zygote', 1):.1f} ms, the sandboxes (bwrap, the command) "
+            f"{per('zygote', 2):.1f} ms, nats-server "
             f"{per('nats-server', 0) + per('nats-server', 1):.1f} ms, this client "
             f"{1e3 * ((me1.user - me0.user) + (me1.system - me0.system)) / n:.1f} ms"
         )
@@ -192,7 +211,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         nats.stop()
     print("| operation | p50 ms | p99 ms | per second |\n|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\n{cpu_note}\n\n{mem}")
+    print(f"\n(c) p50 / (b) p50 = {ratio:.2f}\n\n{cpu_note}\n\n{mem}")
 
 
 if __name__ == "__main__":

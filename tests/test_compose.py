@@ -476,3 +476,13 @@ def test_docker_compose_accepts_the_file():
         pytest.skip("the docker compose plugin is not installed")
     r = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, f"docker compose config rejects docker-compose.yml:\n{r.stderr}"
+
+
+def test_env_pool_can_start_bubblewrap_sandboxes(compose):
+    """bwrap needs namespaces (blocked by Docker's default seccomp) and a real /dev/shm."""
+    svc = _service(compose, "env-pool")
+    opts = set(svc.get("security_opt", []))
+    assert "seccomp=unconfined" in opts, "env-pool needs seccomp=unconfined for bubblewrap's namespaces"
+    assert "privileged" not in svc and not svc.get("cap_add"), "env-pool must not be privileged"
+    size = str(svc.get("shm_size", "64mb")).lower()
+    assert size.endswith("gb") or int(re.sub(r"\D", "", size) or 0) >= 1024, "workspaces need more /dev/shm than 64 MB"

@@ -257,10 +257,15 @@ async def test_wide_http_bind_needs_a_token():
 
 
 async def test_refuses_to_start_without_bubblewrap(nats_server, run_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
-    from kiln.envpool.bwrap import BwrapError
+    from kiln.envpool.bwrap import BwrapError, bwrap_binary
 
-    with pytest.raises(BwrapError, match="bubblewrap"):
-        await p.start("env-pool")
-    p.running.clear()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
+    bwrap_binary.cache_clear()
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
+
+    try:
+        with pytest.raises(BwrapError, match="bubblewrap"):
+            await p.start("env-pool")
+    finally:
+        p.running.clear()
+        bwrap_binary.cache_clear()

@@ -482,6 +482,8 @@ class Bus:
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
         self._subs.append(sub)
+        # A round trip, so the server has the subscription before anyone is told we serve.
+        await self.nc.flush()
 
     async def _reply_error(self, m: Msg, code: str, message: str) -> None:
         if m.reply:

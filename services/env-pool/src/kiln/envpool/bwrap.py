@@ -13,13 +13,14 @@ its workspace. The pid namespace dies with the command: nothing survives a ``run
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from kiln.shared.contracts import ExecResult
 
+from kiln.envpool.launcher import Launcher
 from kiln.envpool.sandbox import SANDBOX_PATH, Identity, Limits, Sandbox, spawn
 
 INNER_UID = 1000
@@ -30,6 +31,7 @@ class BwrapError(RuntimeError):
     """bubblewrap cannot run here; env-pool refuses to start with the ``bwrap`` backend."""
 
 
+@functools.cache
 def bwrap_binary() -> str:
     found = shutil.which("bwrap")
     if not found:
@@ -98,13 +100,13 @@ class BwrapSandbox(Sandbox):
         return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={})
 
 
-def probe(system: list[str], identity: Identity, workspace: Path) -> None:
+async def probe(system: list[str], identity: Identity, workspace: Path, launcher: Launcher) -> None:
     """Run ``true`` the way sandboxes will; raise ``BwrapError`` with bwrap's reason if it fails."""
-    sb = BwrapSandbox("probe", workspace, _PROBE_LIMITS, identity, None, system=system)
-    r = subprocess.run(sb.launcher(sb.argv(["true"])), capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
+    sb = BwrapSandbox("probe", workspace, _PROBE_LIMITS, identity, None, launcher, system=system)
+    r = await sb.run(["true"], 30)
+    if r.exit_code != 0:
         raise BwrapError(
-            f"bubblewrap cannot start a sandbox here (exit {r.returncode}: {r.stderr.strip()}). Unprivileged user "
+            f"bubblewrap cannot start a sandbox here (exit {r.exit_code}: {r.stderr.strip()}). Unprivileged user "
             "namespaces may be disabled (sysctl kernel.unprivileged_userns_clone=1) or blocked by the container "
             "runtime; fix that, or choose envpool.backend = 'process' (no isolation, development only)"
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import nats.js.errors
 from nats.js import api as js_api
+from opentelemetry import trace
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import ServiceError
@@ -29,6 +30,7 @@ from kiln.shared.tasks import load_suite
 from kiln.envpool import bwrap
 from kiln.envpool.api import build_app, serve_http
 from kiln.envpool.cgroups import CgroupManager
+from kiln.envpool.launcher import Launcher
 from kiln.envpool.config import EnvPoolConfig, EnvPoolSettings
 from kiln.envpool.metrics import NodeMetrics
 from kiln.envpool.pool import SandboxPool
@@ -53,14 +55,14 @@ def workspace_root(s: EnvPoolSettings, run_dir: str, node_id: str) -> Path:
     return base / node_id
 
 
-def sandbox_factory(s: EnvPoolSettings, root: Path):
+async def sandbox_factory(s: EnvPoolSettings, root: Path, launcher: Launcher):
     """The backend's constructor, after checking that it can run here."""
     if s.backend == "process":
         log.error(
             "UNSAFE: envpool.backend = 'process' runs agent commands without any isolation "
             "(host network, host files); use it only for development"
         )
-        return ProcessSandbox
+        return lambda sid, ws, lim, ident, cg: ProcessSandbox(sid, ws, lim, ident, cg, launcher)
     etc = root / "etc"
     bwrap.write_identity_files(etc)
     system = bwrap.system_args(s.ro_binds, etc)
@@ -71,8 +73,10 @@ def sandbox_factory(s: EnvPoolSettings, root: Path):
         uid = s.sandbox_uid_base + s.max_sandboxes
         os.chown(probe_ws, uid, uid)
         identity = Identity(uid, uid)
-    bwrap.probe(system, identity, probe_ws)
-    return lambda sid, ws, lim, ident, cg: bwrap.BwrapSandbox(sid, ws, lim, ident, cg, system=system)
+    bwrap_binary = bwrap.bwrap_binary()  # a clear error if it is not installed at all
+    await bwrap.probe(system, identity, probe_ws, launcher)
+    log.info("bubblewrap sandboxes work here (%s)", bwrap_binary)
+    return lambda sid, ws, lim, ident, cg: bwrap.BwrapSandbox(sid, ws, lim, ident, cg, launcher, system=system)
 
 
 async def snapshot_store(ctx: ServiceContext, ttl_s: float):
@@ -99,6 +103,8 @@ def use_pidfd_child_watcher() -> None:
     """Python 3.11's default watcher starts a thread per child process, a real cost at
     hundreds of sandbox commands per second; pidfds need none (3.12+ uses them itself)."""
     if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
+        if isinstance(asyncio.get_child_watcher(), asyncio.PidfdChildWatcher):
+            return  # once per process: replacing a watcher drops the children it watches
         watcher = asyncio.PidfdChildWatcher()
         watcher.attach_loop(asyncio.get_running_loop())
         asyncio.set_child_watcher(watcher)
@@ -111,7 +117,12 @@ async def serve(ctx: ServiceContext) -> None:
     node_id = s.node_id or ctx.instance
     root = workspace_root(s, cfg.run.dir, node_id)
     root.mkdir(parents=True, exist_ok=True)
-    factory = sandbox_factory(s, root)
+    launcher = Launcher()
+    try:
+        factory = await sandbox_factory(s, root, launcher)
+    except BaseException:
+        await launcher.close()
+        raise
     cgroups = CgroupManager(node_id)
     put, get = await snapshot_store(ctx, s.snapshot_ttl_s)
     index = SemanticIndex(mode=s.semantic_mode)
@@ -139,36 +150,36 @@ async def serve(ctx: ServiceContext) -> None:
 
     async def on_create(req: c.SandboxCreate) -> c.SandboxCreated:
         t0 = time.monotonic()
-        with ctx.tracer.start_as_current_span("envpool.create", attributes={"task_id": req.task_id}):
-            try:
-                sb = await pool.create(req.task_id, req.run_id, req.ttl_s or s.default_ttl_s, req.snapshot_key)
-            except ServiceError as e:
-                if e.code == "pool_exhausted":
-                    metrics.exhausted.inc()
-                raise
+        trace.get_current_span().set_attribute("task_id", req.task_id)  # on the request's own span
+        try:
+            sb = await pool.create(req.task_id, req.run_id, req.ttl_s or s.default_ttl_s, req.snapshot_key)
+        except ServiceError as e:
+            if e.code == "pool_exhausted":
+                metrics.exhausted.inc()
+            raise
         return created(sb, t0)
 
     async def on_fork(req: c.SandboxFork) -> c.SandboxCreated:
         t0 = time.monotonic()
-        with ctx.tracer.start_as_current_span("envpool.fork", attributes={"sandbox_id": req.sandbox_id}):
-            return created(await pool.fork(req.sandbox_id, req.ttl_s or s.default_ttl_s), t0)
+        trace.get_current_span().set_attribute("sandbox_id", req.sandbox_id)
+        return created(await pool.fork(req.sandbox_id, req.ttl_s or s.default_ttl_s), t0)
 
     async def on_snapshot(req: c.SandboxSnapshot) -> c.SnapshotRef:
-        with ctx.tracer.start_as_current_span("envpool.snapshot", attributes={"sandbox_id": req.sandbox_id}):
-            key, size, digest, task_id = await pool.snapshot(req.sandbox_id)
+        trace.get_current_span().set_attribute("sandbox_id", req.sandbox_id)
+        key, size, digest, task_id = await pool.snapshot(req.sandbox_id)
         return c.SnapshotRef(key=key, size=size, sha256=digest, task_id=task_id)
 
     async def on_exec(req: c.SandboxExec) -> c.ExecResult:
         sb = pool.get(req.sandbox_id)
-        with ctx.tracer.start_as_current_span("envpool.exec", attributes={"sandbox_id": sb.id}):
-            r = await sb.exec(req.command, min(req.timeout_s, s.max_command_timeout_s))
+        trace.get_current_span().set_attribute("sandbox_id", sb.id)
+        r = await sb.exec(req.command, min(req.timeout_s, s.max_command_timeout_s))
         metrics.exec_seconds.observe(r.duration_s)
         return r
 
     async def on_tools(req: c.SandboxTools) -> c.ToolResults:
         sb = pool.get(req.sandbox_id)
-        with ctx.tracer.start_as_current_span("envpool.tools", attributes={"sandbox_id": sb.id, "calls": len(req.calls)}):
-            return c.ToolResults(results=await tools.run_batch(sb, req.calls))
+        trace.get_current_span().set_attributes({"sandbox_id": sb.id, "calls": len(req.calls)})
+        return c.ToolResults(results=await tools.run_batch(sb, req.calls))
 
     async def on_renew(req: c.SandboxRenew) -> c.SandboxRenewed:
         return c.SandboxRenewed(sandbox_id=req.sandbox_id, expires_at=pool.renew(req.sandbox_id, req.ttl_s))
@@ -214,6 +225,7 @@ async def serve(ctx: ServiceContext) -> None:
             ctx.health_detail.update(leased=len(pool.leases), idle=pool.idle, creating=pool.creating, live=len(pool.leases))
     finally:
         await pool.close()
+        await launcher.close()
         if http_task is not None:
             ctx.stop.set()
             await http_task

@@ -82,6 +82,9 @@ class SandboxPool:
         self.warm: dict[str, list[Lease]] = {}
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.creating = 0
+        self._topping_up: set[str] = set()
+        self._teardowns: set[asyncio.Task] = set()
+        """Destroys answered but still cleaning up; they hold their room until done."""
         self.slots = set(range(max(settings.max_sandboxes, 0)))
         self._build_slots = asyncio.Semaphore(settings.max_creating)
         self._template_locks: dict[str, asyncio.Lock] = {}
@@ -96,18 +99,25 @@ class SandboxPool:
         return sum(len(v) for v in self.warm.values())
 
     def total(self) -> int:
-        return len(self.leases) + self.idle + self.creating
+        return len(self.leases) + self.idle + self.creating + len(self._teardowns)
 
     async def _reserve(self) -> None:
         """Claim room for one sandbox (``creating`` += 1), evicting an idle one if full."""
         victim = None
+        deadline = time.monotonic() + self.s.create_wait_s
+        while self.total() >= self.s.max_sandboxes and not self._oldest_idle_exists() and self._teardowns:
+            # Room is only being freed (destroys still cleaning up): that takes milliseconds.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait(set(self._teardowns), timeout=left, return_when=asyncio.FIRST_COMPLETED)
         if self.total() >= self.s.max_sandboxes:
             victim = self._oldest_idle()
             if victim is None:
                 self.exhausted_total += 1
                 raise ServiceError(
                     f"pool exhausted: this node holds {self.total()} of {self.s.max_sandboxes} sandboxes "
-                    f"({len(self.leases)} leased, {self.creating} being created)",
+                    f"({len(self.leases)} leased, {self.creating} being created, {len(self._teardowns)} being destroyed)",
                     "pool_exhausted",
                 )
         # Claim the place before yielding: the refill loop must not take the victim's room.
@@ -118,6 +128,9 @@ class SandboxPool:
             except BaseException:
                 self.creating -= 1
                 raise
+
+    def _oldest_idle_exists(self) -> bool:
+        return any(self.warm.values())
 
     def _oldest_idle(self) -> Lease | None:
         idle = [lease for pool in self.warm.values() for lease in pool]
@@ -196,6 +209,7 @@ class SandboxPool:
             pool = self.warm.get(task_id)
             if pool:
                 lease = pool.pop()
+                self._top_up_soon(task_id)
             else:
                 template = await self._template(task_id)
                 lease = await self._new(task_id, self._from_template(template))
@@ -236,12 +250,24 @@ class SandboxPool:
         lease.expires_at = max(lease.expires_at or 0.0, time.time() + ttl_s)
         return lease.expires_at
 
-    async def destroy(self, sandbox_id: str) -> bool:
+    async def destroy(self, sandbox_id: str, *, wait: bool = False) -> bool:
+        """End the lease at once; the teardown (kill, cgroup, files) finishes in the
+        background unless ``wait``. Its room stays taken until it has."""
         lease = self.leases.pop(sandbox_id, None)
         if lease is None:
             return False
-        await self._destroy_lease(lease)
+        if wait:
+            await self._destroy_lease(lease)
+            return True
+        task = asyncio.create_task(self._destroy_lease(lease))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardown_done)
         return True
+
+    def _teardown_done(self, task: asyncio.Task) -> None:
+        self._teardowns.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background sandbox work failed", exc_info=task.exception())
 
     async def _destroy_lease(self, lease: Lease) -> None:
         try:
@@ -275,20 +301,37 @@ class SandboxPool:
             for lease in self.warm.pop(task_id):
                 await self._destroy_lease(lease)
         for task_id in list(self.recent):
-            pool = self.warm.setdefault(task_id, [])
-            while len(pool) < self.s.warm_per_task and self.total() < self.s.max_sandboxes:
-                template = await self._template(task_id)
-                self.creating += 1
-                try:
-                    pool.append(await self._build(task_id, self._from_template(template)))
-                except ServiceError:
-                    return  # busy: the next round tops up
-                finally:
-                    self.creating -= 1
+            if not await self._top_up(task_id):
+                return
+
+    async def _top_up(self, task_id: str) -> bool:
+        """Fill one task's warm pool; False when the node is busy (the next round retries)."""
+        pool = self.warm.setdefault(task_id, [])
+        while len(pool) < self.s.warm_per_task and self.total() < self.s.max_sandboxes:
+            template = await self._template(task_id)
+            self.creating += 1
+            try:
+                pool.append(await self._build(task_id, self._from_template(template)))
+            except ServiceError:
+                return False
+            finally:
+                self.creating -= 1
+        return True
+
+    def _top_up_soon(self, task_id: str) -> None:
+        """Replace a warm sandbox as soon as it is taken, not at the next reaper round."""
+        if task_id in self._topping_up:
+            return
+        self._topping_up.add(task_id)
+        task = asyncio.create_task(self._top_up(task_id))
+        task.add_done_callback(lambda t: (self._topping_up.discard(task_id), self._teardown_done(t)))
 
     async def close(self) -> None:
+        self.recent.clear()  # no more top-ups
         for sid in list(self.leases):
-            await self.destroy(sid)
+            await self.destroy(sid, wait=True)
+        if self._teardowns:
+            await asyncio.gather(*self._teardowns, return_exceptions=True)
         for pool in self.warm.values():
             for lease in pool:
                 await self._destroy_lease(lease)

@@ -8,6 +8,9 @@ joined before exec, a wall-clock timeout that kills the whole process group (and
 everything left in the cgroup), and output capped to head + tail with the cut marked;
 a command that floods its output past ``output_kill_bytes`` is killed.
 
+Processes start through the node's ``Launcher`` (a zygote that joins the cgroup, sets
+the rlimits and drops the uid between fork and exec, see ``launcher.py``).
+
 Invariant: when ``run`` returns, no process of the sandbox is left running, so the
 host-side file tools never race a sandboxed process (no check-then-use window).
 
@@ -18,7 +21,9 @@ one (namespaces, read-only system, no network, unprivileged uid).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import resource
 import shutil
 import signal
 import time
@@ -28,6 +33,7 @@ from pathlib import Path
 from kiln.shared.contracts import ExecResult
 
 from kiln.envpool.cgroups import Cgroup
+from kiln.envpool.launcher import Launcher
 from kiln.envpool.workspace import usage_bytes
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -59,13 +65,17 @@ class Identity:
 
 
 class Sandbox(ABC):
-    def __init__(self, sandbox_id: str, workspace: Path, limits: Limits, identity: Identity, cgroup: Cgroup | None):
+    def __init__(
+        self, sandbox_id: str, workspace: Path, limits: Limits, identity: Identity, cgroup: Cgroup | None, launcher: Launcher
+    ):
         self.id = sandbox_id
+        self.launcher = launcher
         self.workspace = workspace
         self.limits = limits
         self.identity = identity
         self.cgroup = cgroup
         self.over_quota = False
+        self.oom_seen = 0
         self._entries = 0
 
     @abstractmethod
@@ -94,40 +104,16 @@ class Sandbox(ABC):
             used, self._entries = await asyncio.to_thread(usage_bytes, self.workspace)
         return used
 
-    def launcher(self, argv: list[str]) -> list[str]:
-        """``argv`` wrapped so that, before it runs, the process has joined the sandbox's
-        cgroup (as root), dropped to the sandbox's uid (``setpriv``) and taken its rlimits
-        (``prlimit``). Done by exec'd tools rather than a Python ``preexec_fn`` so that the
-        parent can ``vfork``: a fork of env-pool plus Python in the child cost ~3x more CPU."""
-        lim, ident = self.limits, self.identity
-        out: list[str] = []
-        if self.cgroup is not None:
-            procs = [str(d / "cgroup.procs") for d in self.cgroup.dirs]
-            out += ["/bin/sh", "-c", _JOIN, "sh", str(len(procs)), *procs]
-        if ident.uid is not None:
-            out += [_tool("setpriv"), f"--reuid={ident.uid}", f"--regid={ident.gid}", "--clear-groups"]
-        out += [
-            _tool("prlimit"),
-            f"--cpu={lim.cpu_seconds}",
-            f"--as={lim.address_space_bytes}",
-            f"--fsize={lim.max_file_bytes}",
-            f"--nofile={lim.open_files}",
-            f"--nproc={lim.processes}",
-            "--core=0",
-            "--",
+    def rlimits(self) -> list[tuple[int, int]]:
+        lim = self.limits
+        return [
+            (resource.RLIMIT_CPU, lim.cpu_seconds),
+            (resource.RLIMIT_AS, lim.address_space_bytes),
+            (resource.RLIMIT_FSIZE, lim.max_file_bytes),
+            (resource.RLIMIT_NOFILE, lim.open_files),
+            (resource.RLIMIT_NPROC, lim.processes),
+            (resource.RLIMIT_CORE, 0),
         ]
-        return out + argv
-
-
-_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; exec "$@"'
-"""Writes the shell's own pid to each cgroup.procs given, then execs the rest."""
-
-
-def _tool(name: str) -> str:
-    found = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
-    if found is None:
-        raise RuntimeError(f"{name} (util-linux) is required to start sandboxes")
-    return found
 
 
 async def spawn(sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | None, env: dict[str, str]) -> ExecResult:
@@ -137,30 +123,29 @@ async def spawn(sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | N
             exit_code=-1, stdout="", stderr=_quota_note(sb), timed_out=False, duration_s=0.0, truncated=False
         )
     t0 = time.monotonic()
-    ooms = sb.cgroup.oom_kills() if sb.cgroup is not None else 0
-    proc = await asyncio.create_subprocess_exec(
-        *sb.launcher(argv),
-        cwd=cwd,
+    child = await sb.launcher.spawn(
+        [_absolute(argv[0]), *argv[1:]],
         env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
+        cwd=str(cwd) if cwd else None,
+        cgroups=[str(d / "cgroup.procs") for d in sb.cgroup.dirs] if sb.cgroup is not None else [],
+        rlimits=sb.rlimits(),
+        uid=sb.identity.uid,
+        gid=sb.identity.gid,
     )
     flood = asyncio.Event()
     out = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
     err = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
-    readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
-    waiter = asyncio.ensure_future(proc.wait())
+    readers = asyncio.gather(out.drain(child.stdout), err.drain(child.stderr))
+    waiter = asyncio.ensure_future(child.wait())
     flooded = asyncio.ensure_future(flood.wait())
     try:
         done, _ = await asyncio.wait({waiter, flooded}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         flooded.cancel()
-        _kill_group(proc.pid)
+        _kill_group(child.pid)
         if sb.cgroup is not None and sb.cgroup.pids():  # a few bytes to read: no thread hop
             await asyncio.to_thread(sb.cgroup.kill)
-        await waiter
+        returncode = await waiter
     timed_out = not done
     try:  # the tree is dead, so EOF is near; never wait for it forever
         await asyncio.wait_for(readers, 2.0)
@@ -172,12 +157,15 @@ async def spawn(sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | N
         notes.append(_quota_note(sb))
     if timed_out:
         notes.append(f"[killed: command exceeded its {timeout_s:g}s timeout]")
-    if sb.cgroup is not None and sb.cgroup.oom_kills() > ooms:
-        notes.append("[killed: the sandbox ran out of memory]")
+    if sb.cgroup is not None and returncode in (-9, 137):  # SIGKILLed: was it the OOM killer?
+        ooms = sb.cgroup.oom_kills()
+        if ooms > sb.oom_seen:
+            notes.append("[killed: the sandbox ran out of memory]")
+        sb.oom_seen = ooms
     if flood.is_set():
         notes.append(f"[killed: command wrote more than {sb.limits.output_kill_bytes} bytes of output]")
     return ExecResult(
-        exit_code=-9 if (timed_out or flood.is_set()) else proc.returncode,
+        exit_code=-9 if (timed_out or flood.is_set()) else returncode,
         stdout=out.text(),
         stderr=err.text() + "".join("\n" + n for n in notes),
         timed_out=timed_out,
@@ -201,6 +189,16 @@ class ProcessSandbox(Sandbox):
             "PYTHONUNBUFFERED": "1",
         }
         return await spawn(self, argv, timeout_s, cwd=self.workspace, env=env)
+
+
+@functools.cache
+def _absolute(program: str) -> str:
+    if os.path.isabs(program):
+        return program
+    found = shutil.which(program, path=SANDBOX_PATH)
+    if found is None:
+        raise FileNotFoundError(f"{program} not found on {SANDBOX_PATH}")
+    return found
 
 
 def _quota_note(sb: Sandbox) -> str:
