@@ -269,3 +269,44 @@ async def test_refuses_to_start_without_bubblewrap(nats_server, run_dir, tmp_pat
     finally:
         p.running.clear()
         bwrap_binary.cache_clear()
+
+
+async def test_two_env_pool_processes_share_load(envpool, bus, run_dir):
+    """A second node as its own process (as deployed) joins the queue group."""
+    import os
+    import subprocess
+    import sys
+
+    exp = envpool.experiment_file
+    other = subprocess.Popen(
+        [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "proc-node",
+         "--set", 'envpool.node_id="proc-node"'],
+        stdout=open(run_dir / "proc-node.log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, "KILN_CONFIG": str(exp)},
+    )  # fmt: skip
+    pool = EnvPoolClient(bus)
+    try:
+        async def up():
+            try:
+                return (await pool.stats("proc-node")).node_id == "proc-node"
+            except RemoteError:
+                return False
+
+        await wait_for(up, 60, 0.2, "second env-pool process")
+        seen = {}
+        for _ in range(40):
+            ref = await pool.create("fix-calc")
+            if ref.node_id in seen:
+                await pool.destroy(ref)
+            else:
+                seen[ref.node_id] = ref
+            if len(seen) == 2:
+                break
+        assert set(seen) == {"node-a", "proc-node"}
+        for node, ref in seen.items():
+            await pool.tools(ref, [call("write_file", path="who", content=node)])
+            assert (await pool.exec(ref, "cat who", 5)).stdout == node
+            await pool.destroy(ref)
+    finally:
+        other.terminate()
+        await asyncio.to_thread(other.wait, 30)
+    assert other.returncode == 0, (run_dir / "proc-node.log").read_text()[-2000:]

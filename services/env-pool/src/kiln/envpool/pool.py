@@ -90,7 +90,6 @@ class SandboxPool:
         self._template_locks: dict[str, asyncio.Lock] = {}
         self.created_total = 0
         self.reaped_total = 0
-        self.exhausted_total = 0
 
     # --- accounting ------------------------------------------------------------
 
@@ -114,7 +113,6 @@ class SandboxPool:
         if self.total() >= self.s.max_sandboxes:
             victim = self._oldest_idle()
             if victim is None:
-                self.exhausted_total += 1
                 raise ServiceError(
                     f"pool exhausted: this node holds {self.total()} of {self.s.max_sandboxes} sandboxes "
                     f"({len(self.leases)} leased, {self.creating} being created, {len(self._teardowns)} being destroyed)",
