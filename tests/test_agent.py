@@ -100,9 +100,11 @@ async def test_multi_turn_episode_fixes_the_bug(envpool):
     text = TOK.decode(t.token_ids, skip_special_tokens=False)
     assert "<tool_response>\ndef add(a, b):" in text and text.count("<|im_start|>assistant\n") == 4
 
-    # The sandbox holds the fixed workspace for reward.
+    # The sandbox holds the fixed workspace for reward, and the trajectory carries it as a diff.
     r = await envpool.exec(t.sandbox, TASK.test_command, 30)
     assert r.exit_code == 0
+    assert t.final_diff.changed == {"calc.py": TASK.files["calc.py"].replace("a - b", "a + b")}
+    assert t.final_diff.deleted == [] and t.final_diff.binary == []
 
 
 async def test_budgets_end_the_episode(envpool):

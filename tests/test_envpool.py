@@ -250,9 +250,9 @@ async def test_http_api(nats_server, bus, run_dir):
 
 
 async def test_wide_http_bind_needs_a_token():
-    from kiln.envpool.api import serve_http
+    from kiln.shared.http import serve_http
 
-    with pytest.raises(ValueError, match="http_token"):
+    with pytest.raises(ValueError, match="token"):
         await serve_http(None, "0.0.0.0", 0, "", asyncio.Event())
 
 
@@ -310,3 +310,13 @@ async def test_two_env_pool_processes_share_load(envpool, bus, run_dir):
         other.terminate()
         await asyncio.to_thread(other.wait, 30)
     assert other.returncode == 0, (run_dir / "proc-node.log").read_text()[-2000:]
+
+
+async def test_diff_against_the_task(envpool, bus):
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    await pool.tools(ref, [call("edit_file", path="calc.py", old="a - b", new="a + b"), call("write_file", path="new/n.py", content="N = 1\n")])
+    await pool.exec(ref, "rm test_calc.py; head -c 100 /dev/urandom > blob.bin; ln -s /etc/passwd link", 5)
+    d = await pool.diff(ref)
+    assert d.changed == {"calc.py": "def add(a, b):\n    return a + b\n", "new/n.py": "N = 1\n"}
+    assert d.deleted == ["test_calc.py"] and d.binary == ["blob.bin", "link"]

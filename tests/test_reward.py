@@ -76,11 +76,18 @@ async def add_run(db_url: str, run_id: str) -> None:
 
 @pytest.fixture
 async def platform(nats_server, pg_url, run_dir, tmp_path):
-    exp = experiment(run_dir, nats_server.url, pg_url, tasks={"suite": write_suite(tmp_path / "suite.jsonl", timeout_s=2.0)})
+    exp = experiment(
+        run_dir, nats_server.url, pg_url,
+        tasks={"suite": write_suite(tmp_path / "suite.jsonl", timeout_s=2.0)},
+        reward={"shaping": {"malformed_tool_calls": -0.25}},
+    )  # fmt: skip
     p = InProcessPlatform(exp)
     await add_run(pg_url, p.config("reward").run.id)
     yield p
     await p.stop_all()
+
+
+FIX = c.WorkspaceDiff(changed={"calc.py": "def add(a, b):\n    return a + b\n"})
 
 
 async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
@@ -96,32 +103,37 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
     await pool.tools(cheat, [c.ToolCall(id="1", name="write_file", arguments={"path": "test_calc.py", "content": "print('ok')"})])
     hang = await pool.create(BASE.id)  # the agent's code never returns
     await pool.tools(hang, [c.ToolCall(id="1", name="write_file", arguments={"path": "calc.py", "content": "def add(a, b):\n    while True: pass\n"})])
-    lost = c.SandboxRef(node_id=fixed.node_id, sandbox_id="sb-gone")
+    gone = c.SandboxRef(node_id=fixed.node_id, sandbox_id="sb-gone")
 
     cases = {
-        "fixed": fixed, "broken": broken, "cheat": cheat, "hang": hang, "lost": lost,
+        "fixed": trajectory(run_id, fixed, tid="g1-fixed"),
+        "broken": trajectory(run_id, broken, tid="g1-broken"),
+        "cheat": trajectory(run_id, cheat, tid="g1-cheat"),
+        "hang": trajectory(run_id, hang, tid="g1-hang"),
+        "lost": trajectory(run_id, gone, tid="g1-lost"),  # sandbox gone, no diff: nothing to score
+        "rebuilt": trajectory(run_id, gone, tid="g1-rebuilt").model_copy(update={"final_diff": FIX, "malformed_tool_calls": 2}),
+        "infra": trajectory(run_id, None, "g1-infra", c.TrajectoryStatus.INFRA_ERROR, "sandbox create failed"),
     }
-    for name, ref in cases.items():
-        await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, ref, tid=f"g1-{name}"), msg_id=f"g1-{name}")
-    await bus.publish(
-        c.TRAJECTORY_FINISHED,
-        trajectory(run_id, None, "g1-infra", c.TrajectoryStatus.INFRA_ERROR, "sandbox create failed"),
-        msg_id="g1-infra",
-    )
-    got = {s.trajectory.trajectory_id.removeprefix("g1-"): s for s in await scored_messages(bus, 6)}
-    assert set(got) == {"fixed", "broken", "cheat", "hang", "lost", "infra"}
+    for name, t in cases.items():
+        await bus.publish(c.TRAJECTORY_FINISHED, t, msg_id=t.trajectory_id)
+    got = {s.trajectory.trajectory_id.removeprefix("g1-"): s for s in await scored_messages(bus, len(cases))}
+    assert set(got) == set(cases)
     assert got["fixed"].reward == 1.0 and got["fixed"].passed and got["fixed"].infra_error is None
+    assert got["fixed"].reward_terms == {"tests": 1.0, "malformed_tool_calls": 0.0}  # every configured term
     assert got["broken"].reward == 0.0 and not got["broken"].passed and got["broken"].infra_error is None
     assert got["broken"].tests[BASE.fail_to_pass[0]] == c.CaseStatus.FAILED
     assert got["cheat"].reward == 0.0 and got["cheat"].infra_error is None  # tests restored before scoring
     assert got["hang"].reward == 0.0 and got["hang"].infra_error is None
     assert "timeout" in got["hang"].test_output
-    assert got["lost"].infra_error and "does not exist" in got["lost"].infra_error
+    assert got["lost"].infra_error and "no diff" in got["lost"].infra_error
+    r = got["rebuilt"]  # scored in a fresh sandbox with the diff applied; shaping kept apart
+    assert r.rescored_from_diff and r.passed and r.reward_terms == {"tests": 1.0, "malformed_tool_calls": -0.5}
+    assert r.reward == 0.5
     assert got["infra"].infra_error == "sandbox create failed"
 
     # Redelivering an already-scored trajectory republishes its record: nothing re-runs
     # (its sandbox is gone) and the learner sees it once (same Nats-Msg-Id).
-    await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, fixed, tid="g1-fixed"), msg_id="g1-fixed-again")
+    await bus.publish(c.TRAJECTORY_FINISHED, cases["fixed"], msg_id="g1-fixed-again")
     db = Database(pg_url)
     try:
         async def rows():
@@ -130,10 +142,56 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
 
         await wait_for(lambda: _consumer_idle(bus), 20, 0.2, "reward idle")
         recs = {r.trajectory_id: r for r in await rows()}
-        assert len(recs) == 6 and recs["g1-fixed"].reward == 1.0 and recs["g1-lost"].infra_error
+        assert len(recs) == len(cases) and recs["g1-fixed"].reward == 1.0 and recs["g1-lost"].infra_error
+        assert recs["g1-rebuilt"].reward_terms == {"tests": 1.0, "malformed_tool_calls": -0.5}
         assert await scored_messages(bus, 1, timeout=2) == [], "the redelivery reached the learner twice"
+        # the whole log of every scored run is kept, the record points at it
+        logs = await bus.js.object_store("kiln-reward-logs")
+        whole = (await logs.get(recs["g1-broken"].log_key)).data.decode()
+        assert BASE.fail_to_pass[0].rsplit(".", 1)[1] in whole and "FAIL" in whole
     finally:
         await db.close()
+
+
+def custom_reward(trajectory, results) -> float:
+    """A user's reward function (a pure function of trajectory + test results)."""
+    return 0.25 + 0.5 * results.passed(results.fail_to_pass[0])
+
+
+@pytest.mark.parametrize("function,expected", [("fraction", 0.5), ("test_reward:custom_reward", 0.75)])
+async def test_partial_credit_and_custom_functions(nats_server, bus, pg_url, run_dir, tmp_path, function, expected):
+    task = BASE.model_copy(update={
+        "id": "two-bugs",
+        "files": {
+            "calc.py": "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a + b\n",
+            "test_calc.py": (
+                "import unittest\n\nfrom calc import add, mul\n\n\nclass TestCalc(unittest.TestCase):\n"
+                "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
+                "    def test_mul(self):\n        self.assertEqual(mul(2, 3), 6)\n"
+            ),
+        },
+        "test_files": {},
+        "fail_to_pass": ["test_calc.TestCalc.test_add", "test_calc.TestCalc.test_mul"],
+        "pass_to_pass": [],
+    })  # fmt: skip
+    (tmp_path / "suite.jsonl").write_text(json.dumps(task.model_dump()) + "\n")
+    exp = experiment(run_dir, nats_server.url, pg_url, tasks={"suite": str(tmp_path / "suite.jsonl")}, reward={"function": function})
+    p = InProcessPlatform(exp)
+    run_id = p.config("reward").run.id
+    await add_run(pg_url, run_id)
+    await p.start("env-pool")
+    await p.start("reward")
+    try:
+        pool = EnvPoolClient(bus)
+        ref = await pool.create("two-bugs")  # fix add only
+        await pool.tools(ref, [c.ToolCall(id="1", name="edit_file", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})])
+        t = trajectory(run_id, ref, tid="g2-s0").model_copy(update={"task_id": "two-bugs"})
+        await bus.publish(c.TRAJECTORY_FINISHED, t, msg_id=t.trajectory_id)
+        (scored,) = await scored_messages(bus, 1)
+        assert scored.reward == expected and not scored.passed
+        assert scored.tests == {"test_calc.TestCalc.test_add": "passed", "test_calc.TestCalc.test_mul": "failed"}
+    finally:
+        await p.stop_all()
 
 
 async def _consumer_idle(bus) -> bool:

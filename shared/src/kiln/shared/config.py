@@ -145,6 +145,37 @@ class AlgorithmSettings(Section):
     """A group not fully scored this long after dispatch is dropped (reason ``deadline``)."""
 
 
+class WeightsSettings(Section):
+    """The version store (weights service) and how engines receive versions (rollout)."""
+
+    store_dir: str = ""
+    """Root of the version store; empty = ``<run.dir>/weights``."""
+    delta: bool = False
+    """Store each version as a delta against the previous one (only the changed bytes,
+    compressed), with a full version every ``keyframe_every``."""
+    keyframe_every: int = Field(default=10, ge=1)
+    """With ``delta``: every this many versions, store the version full."""
+    keep_last: int = Field(default=0, ge=0)
+    """Retention: keep the newest this many versions (and tagged, pinned ones, and what they
+    need); 0 keeps every version."""
+    http_host: str = "127.0.0.1"
+    """Bind address of the weights HTTP API. Anything but loopback requires ``http_token``."""
+    http_port: int = 0
+    """Port of the weights HTTP API; 0 = a free port, -1 = off."""
+    http_token: str = ""
+    """Bearer token the HTTP API requires (every route but ``/healthz``) when set; receivers
+    send it too."""
+    public_url: str = ""
+    """URL receivers use for the HTTP API, when it differs from the bound address (a load
+    balancer, a service name)."""
+    fetch: Literal["fs", "http"] = "fs"
+    """How rollout engines read versions: ``fs`` from the store directory (shared disk),
+    ``http`` through the weights service's HTTP API (any network)."""
+    cache_dir: str = ""
+    """Where a receiver rebuilds and keeps versions it cannot read in place (delta or http);
+    empty = ``<run.dir>/weights-cache/<instance>``."""
+
+
 class LocalSettings(Section):
     """How ``kiln run`` starts the platform as local processes."""
 

@@ -72,7 +72,7 @@ def envpool_node_subject(node_id: str, op: str) -> str:
     return f"kiln.envpool.node.{node_id}.{op}"
 
 
-ENVPOOL_NODE_OPS = frozenset({"exec", "tools", "destroy", "fork", "snapshot", "renew", "stats"})
+ENVPOOL_NODE_OPS = frozenset({"exec", "tools", "destroy", "fork", "snapshot", "renew", "stats", "diff"})
 
 
 def weights_published_subject(run_id: str) -> str:
@@ -312,6 +312,23 @@ class SandboxRef(Message):
     sandbox_id: str
 
 
+class SandboxDiff(Message):
+    """What changed in a sandbox's workspace since it was created from its task."""
+
+    sandbox_id: str
+
+
+class WorkspaceDiff(Message):
+    """File-level changes against the task's files: enough to rebuild the final workspace
+    in a fresh sandbox (reward does, when the trajectory's own sandbox is gone)."""
+
+    changed: dict[str, str] = Field(default_factory=dict)
+    """Path -> new text of every added or modified text file."""
+    deleted: list[str] = Field(default_factory=list)
+    binary: list[str] = Field(default_factory=list)
+    """Added or modified files that are not text or are too large (not carried)."""
+
+
 class TrajectoryStatus(str, Enum):
     FINISHED = "finished"
     INFRA_ERROR = "infra_error"
@@ -341,6 +358,9 @@ class Trajectory(Message):
     """Why the episode ended: ``no_tool_call``, ``max_turns``, ``max_tokens``, ``deadline``, ``error``."""
     sandbox: SandboxRef | None = None
     """The sandbox holding the final workspace; reward runs the tests there and destroys it."""
+    final_diff: WorkspaceDiff | None = None
+    """The final workspace as changes to the task's files, for scoring in a fresh sandbox
+    when ``sandbox`` is gone."""
     worker_id: str = ""
     started_at: float = Field(default_factory=time.time)
     finished_at: float = Field(default_factory=time.time)
@@ -372,6 +392,10 @@ class ScoredTrajectory(Message):
     passed: bool
     """All FAIL_TO_PASS and PASS_TO_PASS tests passed."""
     tests: dict[str, CaseStatus] = Field(default_factory=dict)
+    reward_terms: dict[str, float] = Field(default_factory=dict)
+    """Each term of ``reward`` (``tests`` and any shaping terms); ``reward`` is their sum."""
+    rescored_from_diff: bool = False
+    """The trajectory's sandbox was gone: the tests ran in a fresh one with its diff applied."""
     infra_error: str | None = None
     """Set when scoring could not run: the learner masks the trajectory out, never scores it 0."""
     test_output: str = ""
@@ -399,6 +423,12 @@ class WeightsManifest(Message):
     parent_version: int | None
     files: list[FileInfo]
     tensors: dict[str, TensorInfo]
+    storage: Literal["full", "delta"] = "full"
+    """``full``: the store holds this version's files; ``delta``: only its delta against
+    ``base_version`` (rebuild from the nearest full version before it)."""
+    base_version: int | None = None
+    delta: FileInfo | None = None
+    """The delta blob (``delta.kd``) when ``storage`` is ``delta``."""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -418,9 +448,11 @@ class WeightsPublished(Message):
     version: int
     step: int
     path: str
-    """Directory of the stored version in the shared weights store."""
+    """Directory of the stored version in the weights store (for receivers that share its disk)."""
     manifest: WeightsManifest
     manifest_sha256: str
+    url: str = ""
+    """Base URL of the weights service's HTTP API (for receivers that do not share the disk)."""
 
 
 class GroupDropped(Message):
@@ -587,6 +619,7 @@ ENVPOOL_NODE_MESSAGES: dict[str, tuple[type[Message], type[Message]]] = {
     "fork": (SandboxFork, SandboxCreated),
     "snapshot": (SandboxSnapshot, SnapshotRef),
     "renew": (SandboxRenew, SandboxRenewed),
+    "diff": (SandboxDiff, WorkspaceDiff),
     "destroy": (SandboxDestroy, SandboxDestroyed),
     "stats": (NodeStatsRequest, NodeStats),
 }

@@ -41,6 +41,10 @@ class EnvPoolClient:
         """Extend the lease; returns the new expiry (unix time)."""
         return (await self._node(ref, "renew", c.SandboxRenew(sandbox_id=ref.sandbox_id, ttl_s=ttl_s))).expires_at
 
+    async def diff(self, ref: c.SandboxRef) -> c.WorkspaceDiff:
+        """The workspace as changes to its task's files."""
+        return await self._node(ref, "diff", c.SandboxDiff(sandbox_id=ref.sandbox_id))
+
     async def stats(self, node_id: str) -> c.NodeStats:
         return await self.bus.request(
             c.envpool_node_subject(node_id, "stats"), c.NodeStatsRequest(), c.NodeStats, timeout=self.timeout_s

@@ -11,32 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sys
 import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import nats.js.errors
-from nats.js import api as js_api
-from opentelemetry import trace
-
-from kiln.shared import contracts as c
-from kiln.shared.bus import ServiceError
-from kiln.shared.service import ServiceContext, service_main, wait_or_stop
-from kiln.shared.tasks import load_suite
-
 from kiln.envpool import bwrap
-from kiln.envpool.api import build_app, serve_http
+from kiln.envpool.api import build_app
 from kiln.envpool.cgroups import CgroupManager
-from kiln.envpool.launcher import Launcher
 from kiln.envpool.config import EnvPoolConfig, EnvPoolSettings
+from kiln.envpool.launcher import Launcher
 from kiln.envpool.metrics import NodeMetrics
 from kiln.envpool.pool import SandboxPool
 from kiln.envpool.sandbox import Identity, ProcessSandbox
 from kiln.envpool.search import SemanticIndex
 from kiln.envpool.tools import ToolExecutor
+from kiln.shared import contracts as c
+from kiln.shared.bus import ServiceError
+from kiln.shared.http import serve_http
+from kiln.shared.service import ServiceContext, service_main, wait_or_stop
+from kiln.shared.tasks import load_suite
+from nats.js import api as js_api
+from opentelemetry import trace
 
 log = logging.getLogger("kiln.envpool")
 
@@ -181,6 +180,10 @@ async def serve(ctx: ServiceContext) -> None:
         trace.get_current_span().set_attributes({"sandbox_id": sb.id, "calls": len(req.calls)})
         return c.ToolResults(results=await tools.run_batch(sb, req.calls))
 
+    async def on_diff(req: c.SandboxDiff) -> c.WorkspaceDiff:
+        changed, deleted, binary = await pool.diff(req.sandbox_id)
+        return c.WorkspaceDiff(changed=changed, deleted=deleted, binary=binary)
+
     async def on_renew(req: c.SandboxRenew) -> c.SandboxRenewed:
         return c.SandboxRenewed(sandbox_id=req.sandbox_id, expires_at=pool.renew(req.sandbox_id, req.ttl_s))
 
@@ -205,7 +208,7 @@ async def serve(ctx: ServiceContext) -> None:
     await bus.serve(c.ENVPOOL_CREATE, c.SandboxCreate, on_create, queue=c.ENVPOOL_QUEUE)
     handlers = {
         "exec": on_exec, "tools": on_tools, "fork": on_fork, "snapshot": on_snapshot,
-        "renew": on_renew, "destroy": on_destroy, "stats": on_stats,
+        "renew": on_renew, "destroy": on_destroy, "stats": on_stats, "diff": on_diff,
     }  # fmt: skip
     for op, handler in handlers.items():
         await bus.serve(c.envpool_node_subject(node_id, op), c.ENVPOOL_NODE_MESSAGES[op][0], handler)

@@ -228,6 +228,12 @@ class SandboxPool:
         await self.put_snapshot(key, data)
         return key, len(data), digest, lease.task_id
 
+    async def diff(self, sandbox_id: str) -> tuple[dict[str, str], list[str], list[str]]:
+        """The workspace as changes to its task's files (``workspace.diff``)."""
+        lease = self._get_lease(sandbox_id)
+        template = await self._template(lease.task_id)
+        return await asyncio.to_thread(wsp.diff, template, lease.sandbox.workspace)
+
     def _lease(self, lease: Lease, run_id: str, ttl_s: float) -> Sandbox:
         lease.run_id = run_id
         lease.expires_at = time.time() + (ttl_s or self.s.default_ttl_s)

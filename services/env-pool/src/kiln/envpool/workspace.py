@@ -74,3 +74,37 @@ def restore(data: bytes, sha256: str | None, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         tar.extractall(dest, filter="data")
+
+
+MAX_DIFF_FILE = 256 * 1024
+
+
+def diff(template: Path, root: Path) -> tuple[dict[str, str], list[str], list[str]]:
+    """(changed text files, deleted paths, changed files not carried: binary, too large or links)."""
+    changed: dict[str, str] = {}
+    other: list[str] = []
+    seen = set()
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not (Path(dirpath) == root and d in SKIP)]
+        for name in files:
+            full = Path(dirpath) / name
+            rel = str(full.relative_to(root))
+            seen.add(rel)
+            before = template / rel
+            if full.is_symlink() or not full.is_file():
+                other.append(rel)
+                continue
+            data = full.read_bytes()
+            if before.is_file() and not before.is_symlink() and before.read_bytes() == data:
+                continue
+            if len(data) > MAX_DIFF_FILE:
+                other.append(rel)
+                continue
+            try:
+                changed[rel] = data.decode()
+            except UnicodeDecodeError:
+                other.append(rel)
+    deleted = sorted(
+        str(p.relative_to(template)) for p in template.rglob("*") if p.is_file() and str(p.relative_to(template)) not in seen
+    )
+    return changed, deleted, sorted(other)

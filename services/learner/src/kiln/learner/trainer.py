@@ -54,8 +54,14 @@ class Trainer:
         await self._hand_over(0, parent=None)
 
     async def _hand_over(self, version: int, parent: int | None) -> None:
-        folder = self.staging / self.cfg.run.id / f"v{version:06d}"
+        run_staging = self.staging / self.cfg.run.id
+        folder = run_staging / f"v{version:06d}"
         shutil.rmtree(folder, ignore_errors=True)
+        # Staged versions the weights service has already published are its now.
+        if run_staging.is_dir():
+            for old in run_staging.iterdir():
+                if old.name[1:].isdigit() and int(old.name[1:]) < self.controller.published_version:
+                    shutil.rmtree(old, ignore_errors=True)
         await asyncio.to_thread(self.policy.stage, folder)
         await self.ctx.bus.publish(
             c.WEIGHTS_CHECKPOINT,

@@ -10,9 +10,15 @@ from kiln.shared.config import DatabaseSettings, Section, ServiceConfig, TaskSet
 
 
 class RewardSettings(Section):
-    function: Literal["binary", "fraction"] = "binary"
-    """``binary``: 1 when every FAIL_TO_PASS and PASS_TO_PASS test passes, else 0.
-    ``fraction``: share of FAIL_TO_PASS tests passing, 0 if any PASS_TO_PASS test broke."""
+    function: str = "binary"
+    """``binary`` (1 when every FAIL_TO_PASS and PASS_TO_PASS test passes), ``fraction`` (share
+    of FAIL_TO_PASS passing, 0 if a PASS_TO_PASS test broke), the name of a
+    ``kiln.reward_functions`` entry point, or ``package.module:function`` (docs/reward.md)."""
+    shaping: dict[Literal["malformed_tool_calls", "generated_tokens_k", "turns", "no_final_answer"], float] = Field(
+        default_factory=dict
+    )
+    """Weights of shaping terms added to the tests' reward and recorded apart, e.g.
+    ``{malformed_tool_calls = -0.1}``."""
     harness_grace_s: float = 15.0
     """Time beyond the task's own test timeout before the scoring request itself counts
     as an infrastructure failure."""
@@ -22,6 +28,8 @@ class RewardSettings(Section):
     """Test output kept in the record (head and tail)."""
     destroy_sandbox: bool = True
     """Destroy the trajectory's sandbox once it is scored."""
+    logs_ttl_s: float = 30 * 24 * 3600
+    """How long whole test logs stay in the ``kiln-reward-logs`` object store."""
 
 
 class RewardConfig(ServiceConfig):

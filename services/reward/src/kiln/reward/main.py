@@ -21,6 +21,7 @@ async def serve(ctx: ServiceContext) -> None:
     db = Database(cfg.database.url, cfg.database.echo)
     try:
         scorer = Scorer(ctx, db, load_suite(cfg.tasks.suite))
+        await scorer.start()
         await ctx.bus.consume(
             c.REWARD_WORKERS, c.Trajectory, scorer.on_trajectory, stop=ctx.stop, concurrency=cfg.reward.concurrency, ready=ctx.ready
         )

@@ -167,10 +167,14 @@ async def run_episode(
         for p, r in zip(parsed, ordered):
             messages.append(c.ChatMessage(role="tool", content=r, tool_call_id=p.id))
         seq.context(enc(chat.render_tool_results(ordered) + chat.assistant_prefix()))
-    return _finish(traj, seq, messages, c.TrajectoryStatus.FINISHED, None, turns, malformed, finish, sandbox)
+    try:  # the final workspace as a diff: reward can rebuild it if the sandbox is lost
+        final_diff = await envpool.diff(sandbox)
+    except RemoteError as e:
+        return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox lost: {e}", turns, malformed, "error", None)
+    return _finish(traj, seq, messages, c.TrajectoryStatus.FINISHED, None, turns, malformed, finish, sandbox, final_diff)
 
 
-def _finish(traj, seq: _Sequence, messages, status, infra_error, turns, malformed, finish, sandbox) -> c.Trajectory:
+def _finish(traj, seq: _Sequence, messages, status, infra_error, turns, malformed, finish, sandbox, final_diff=None) -> c.Trajectory:
     return c.Trajectory(
         **traj,
         status=status,
@@ -184,5 +188,6 @@ def _finish(traj, seq: _Sequence, messages, status, infra_error, turns, malforme
         malformed_tool_calls=malformed,
         finish_reason=finish,
         sandbox=sandbox,
+        final_diff=final_diff,
         finished_at=time.time(),
     )

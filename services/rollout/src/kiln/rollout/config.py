@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kiln.shared.config import AlgorithmSettings, Section, ServiceConfig, TaskSettings
+from kiln.shared.config import AlgorithmSettings, Section, ServiceConfig, TaskSettings, WeightsSettings
 
 
 class RolloutSettings(Section):
@@ -40,3 +40,5 @@ class RolloutConfig(ServiceConfig):
     """Sampling temperature and staleness bound."""
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     """This service's settings."""
+    weights: WeightsSettings = Field(default_factory=WeightsSettings)
+    """How this worker receives policy versions (``fetch``, ``cache_dir``, ``http_token``)."""

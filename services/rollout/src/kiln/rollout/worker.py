@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from pathlib import Path
 
 from opentelemetry import trace
 
@@ -26,7 +27,8 @@ from kiln.shared.model.tokenizer import load_tokenizer
 from kiln.shared.service import ServiceContext
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.telemetry import context_from_traceparent
-from kiln.shared.weights_transport import FilesystemTransport, IntegrityError
+from kiln.shared.weights.manifest import IntegrityError
+from kiln.shared.weights.receiver import FsSource, HttpSource, WeightReceiver
 
 from kiln.rollout.agent import EpisodeSpec, run_episode
 from kiln.rollout.config import RolloutConfig
@@ -45,6 +47,7 @@ class RolloutWorker:
         self.tokenizer = None
         self._version_changed = asyncio.Condition()
         self._loading = asyncio.Lock()
+        self._receivers: dict[str, WeightReceiver] = {}
         self.published = 0
 
     # --- weights -------------------------------------------------------------
@@ -56,9 +59,9 @@ class RolloutWorker:
             if msg.version <= self.engine.version:
                 return
             try:
-                folder = FilesystemTransport(msg.path).fetch(msg)
-            except IntegrityError as e:
-                log.error("refusing version %d: %s", msg.version, e)
+                folder = await self.receiver(msg).fetch(msg)
+            except (IntegrityError, OSError) as e:
+                log.error("refusing version %d (still serving %d): %s", msg.version, self.engine.version, e)
                 return
             with self.ctx.tracer.start_as_current_span("rollout.load_weights", attributes={"policy.version": msg.version}):
                 await self.engine.load(msg.version, folder)
@@ -68,6 +71,23 @@ class RolloutWorker:
             log.info("serving policy version %d", msg.version)
         async with self._version_changed:
             self._version_changed.notify_all()
+
+    def receiver(self, msg: c.WeightsPublished) -> WeightReceiver:
+        """Reads the store's directory in place when it can (shared disk, full versions);
+        otherwise rebuilds versions in this worker's own cache."""
+        w = self.cfg.weights
+        if w.fetch == "http":
+            if not msg.url:
+                raise OSError("weights.fetch = 'http' but the weights service announced no HTTP URL")
+            key, make = f"http:{msg.url}", lambda: HttpSource(msg.url, w.http_token)
+        else:
+            root = Path(msg.path).parents[1]
+            key, make = f"fs:{root}", lambda: FsSource(root)
+        if key not in self._receivers:
+            in_place = w.fetch == "fs" and not w.delta and not w.cache_dir
+            cache = None if in_place else Path(w.cache_dir or Path(self.cfg.run.dir or ".") / "weights-cache" / self.ctx.instance)
+            self._receivers[key] = WeightReceiver(make(), cache)
+        return self._receivers[key]
 
     async def wait_for_version(self, version: int, timeout: float) -> bool:
         async with self._version_changed:

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kiln.shared.config import DatabaseSettings, Section, ServiceConfig
-
-
-class WeightsSettings(Section):
-    store_dir: str = ""
-    """Root of the version store (shared with every rollout engine); empty = ``<run.dir>/weights``."""
+from kiln.shared.config import DatabaseSettings, ServiceConfig, WeightsSettings
 
 
 class WeightsConfig(ServiceConfig):
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     """Registry of stored versions."""
     weights: WeightsSettings = Field(default_factory=WeightsSettings)
-    """This service's settings."""
+    """This service's settings (rollout reads the same section to receive versions)."""
 
 
 def store_dir(cfg: ServiceConfig, configured: str) -> str:
-    """The store root every service agrees on (learner stages, weights stores, rollout reads)."""
+    """The store root every service agrees on (weights stores, rollout reads)."""
     if configured:
         return configured
     if not cfg.run.dir:

@@ -1,70 +1,109 @@
 """weights entrypoint: ``python -m kiln.weights.main``.
 
-Consumes ``PolicyCheckpoint``s (shared ``weights-writers`` consumer), stores each as a
-verified version folder with a manifest, registers it in the database, then publishes
-``WeightsPublished`` on ``kiln.weights.published.<run_id>``. Invariant: a version is
-announced only after it is stored, verified and registered; a redelivered checkpoint
-re-announces the same stored version (same ``Nats-Msg-Id``), never a second copy.
+Consumes ``PolicyCheckpoint``s (shared ``weights-writers`` consumer), stores each version
+(full, or as a delta against the previous one), registers it in the database, applies
+retention, then publishes ``WeightsPublished`` on ``kiln.weights.published.<run_id>``.
+Serves the HTTP API receivers on other machines download from.
+
+Invariant: a version is announced only after it is stored, verified and registered; a
+redelivered checkpoint re-announces the same stored version (same ``Nats-Msg-Id``),
+never a second copy; retention never deletes a pinned or tagged version or anything a
+kept version needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import datetime, timezone
 from pathlib import Path
+
+from sqlalchemy import select, update
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject
 from kiln.shared.db import Database, PolicyVersion
+from kiln.shared.http import serve_http
 from kiln.shared.service import ServiceContext, service_main
-from kiln.shared.weights_transport import FilesystemTransport
 
+from kiln.weights.api import build_app
 from kiln.weights.config import WeightsConfig, store_dir
+from kiln.weights.store import VersionStore
 
 log = logging.getLogger("kiln.weights")
 
 
 async def serve(ctx: ServiceContext) -> None:
     cfg: WeightsConfig = ctx.config  # type: ignore[assignment]
-    transport = FilesystemTransport(store_dir(cfg, cfg.weights.store_dir))
+    w = cfg.weights
+    store = VersionStore(store_dir(cfg, w.store_dir), delta=w.delta, keyframe_every=w.keyframe_every)
     db = Database(cfg.database.url, cfg.database.echo)
+    url, http_task = "", None
+    if w.http_port >= 0:
+        url, http_task = await serve_http(build_app(store, db, w.http_token), w.http_host, w.http_port, w.http_token, ctx.stop)
+    public_url = w.public_url or url
 
     async def on_checkpoint(ck: c.PolicyCheckpoint, delivery: Delivery) -> None:
         src = Path(ck.path)
         if not (src / "config.json").is_file():
             raise Reject(f"checkpoint folder {src} has no config.json")
         with ctx.tracer.start_as_current_span("weights.store", attributes={"policy.version": ck.version}):
-            dest, manifest, digest = await asyncio.to_thread(
-                transport.publish,
-                src,
-                dict(run_id=ck.run_id, version=ck.version, step=ck.step, parent_version=ck.parent_version),
+            stored = await asyncio.to_thread(
+                store.put, src, run_id=ck.run_id, version=ck.version, step=ck.step, parent_version=ck.parent_version
             )
+            m = stored.manifest
             async with db.session() as s:
-                await s.merge(
-                    PolicyVersion(
-                        run_id=ck.run_id,
-                        version=ck.version,
-                        step=ck.step,
-                        parent_version=ck.parent_version,
-                        path=str(dest),
-                        manifest_sha256=digest,
-                        num_bytes=sum(f.size for f in manifest.files),
+                row = await s.get(PolicyVersion, (ck.run_id, ck.version))
+                if row is None:
+                    s.add(
+                        PolicyVersion(
+                            run_id=ck.run_id,
+                            version=ck.version,
+                            step=ck.step,
+                            parent_version=ck.parent_version,
+                            path=str(stored.path),
+                            manifest_sha256=stored.digest,
+                            num_bytes=sum(f.size for f in m.files),
+                            stored_bytes=store.size_on_disk(ck.run_id, ck.version),
+                            storage=m.storage,
+                            base_version=m.base_version,
+                        )
                     )
-                )
+            await retain(ck.run_id)
         with ctx.tracer.start_as_current_span("weights.publish", attributes={"policy.version": ck.version}):
             await ctx.bus.publish(
                 c.weights_published_subject(ck.run_id),
                 c.WeightsPublished(
-                    run_id=ck.run_id, version=ck.version, step=ck.step, path=str(dest), manifest=manifest, manifest_sha256=digest
+                    run_id=ck.run_id, version=ck.version, step=ck.step, path=str(stored.path), manifest=m,
+                    manifest_sha256=stored.digest, url=public_url,
                 ),
                 msg_id=f"{ck.run_id}-v{ck.version}",
-            )
+            )  # fmt: skip
         ctx.health_detail["latest_version"] = ck.version
-        log.info("published version %d of %s (%d bytes)", ck.version, ck.run_id, sum(f.size for f in manifest.files))
+        log.info("published version %d of %s (%s, %d bytes stored)", ck.version, ck.run_id, m.storage, store.size_on_disk(ck.run_id, ck.version))
 
+    async def retain(run_id: str) -> None:
+        if not w.keep_last:
+            return
+        async with db.session() as s:
+            rows = (await s.scalars(select(PolicyVersion).where(PolicyVersion.run_id == run_id))).all()
+            protected = {r.version for r in rows if r.pinned or r.tags}
+            deleted = await asyncio.to_thread(store.retain, run_id, w.keep_last, protected)
+            if deleted:
+                await s.execute(
+                    update(PolicyVersion)
+                    .where(PolicyVersion.run_id == run_id, PolicyVersion.version.in_(deleted))
+                    .values(deleted_at=datetime.now(timezone.utc))
+                )
+                log.info("retention deleted versions %s of %s", deleted, run_id)
+
+    ctx.health_detail["http_url"] = public_url
     try:
         await ctx.bus.consume(c.WEIGHTS_WRITERS, c.PolicyCheckpoint, on_checkpoint, stop=ctx.stop, ready=ctx.ready)
     finally:
+        if http_task is not None:
+            ctx.stop.set()
+            await http_task
         await db.close()
 
 

@@ -50,7 +50,17 @@ class PolicyVersion(Base):
     path: Mapped[str] = mapped_column(Text)
     manifest_sha256: Mapped[str] = mapped_column(String(64))
     num_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    """Bytes of the version's files (what a full copy ships)."""
+    stored_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    """Bytes the store holds for it (a delta version: its compressed delta)."""
+    storage: Mapped[str] = mapped_column(String(8), default="full")
+    """full | delta"""
+    base_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    """Pinned and tagged versions are never deleted by retention."""
     published_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class TaskGroup(Base):
@@ -95,7 +105,12 @@ class TrajectoryRecord(Base):
     malformed_tool_calls: Mapped[int] = mapped_column(Integer, default=0)
     finish_reason: Mapped[str] = mapped_column(String(32), default="")
     tests: Mapped[dict] = mapped_column(JSON, default=dict)
+    reward_terms: Mapped[dict] = mapped_column(JSON, default=dict)
+    """Each term of the reward (the tests' score, shaping terms); ``reward`` is their sum."""
     test_output: Mapped[str] = mapped_column(Text, default="")
+    """The test run's output, cut to ``reward.max_test_output_chars``; the whole log is in
+    the ``kiln-reward-logs`` object store under ``log_key``."""
+    log_key: Mapped[str] = mapped_column(String(200), default="")
     messages: Mapped[list] = mapped_column(JSON, default=list)
     trace_id: Mapped[str] = mapped_column(String(32), default="")
     worker_id: Mapped[str] = mapped_column(String(128), default="")

@@ -1,0 +1,1 @@
+"""Policy versions: manifests, deltas, and the receiving side of the weight transports."""
