@@ -172,7 +172,10 @@ class Bus:
             except Exception:  # connection may already be gone during shutdown
                 pass
         if not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await self.nc.drain()
+            except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+                await self.nc.close()  # the server is gone: nothing left to flush
 
     async def ensure_topology(self) -> None:
         """Create or update every stream and durable consumer; safe to call from every service."""

@@ -168,9 +168,18 @@ class WeightsSettings(Section):
     public_url: str = ""
     """URL receivers use for the HTTP API, when it differs from the bound address (a load
     balancer, a service name)."""
-    fetch: Literal["fs", "http"] = "fs"
+    fetch: Literal["fs", "http", "broadcast"] = "fs"
     """How rollout engines read versions: ``fs`` from the store directory (shared disk),
-    ``http`` through the weights service's HTTP API (any network)."""
+    ``http`` through the weights service's HTTP API (any network), ``broadcast`` from the
+    weights service over a torch.distributed group (NCCL on GPUs; ``broadcast_*``)."""
+    broadcast_init_method: str = ""
+    """Rendezvous of the broadcast group, e.g. ``tcp://weights-0:29600``; empty = no group."""
+    broadcast_world_size: int = 0
+    """Members of the broadcast group: the weights service (rank 0) + every engine."""
+    broadcast_rank: int = 0
+    """This member's rank (each rollout engine its own, 1..world_size-1)."""
+    broadcast_backend: Literal["nccl", "gloo"] = "nccl"
+    """``nccl`` for GPU engines, ``gloo`` on CPUs."""
     cache_dir: str = ""
     """Where a receiver rebuilds and keeps versions it cannot read in place (delta or http);
     empty = ``<run.dir>/weights-cache/<instance>``."""

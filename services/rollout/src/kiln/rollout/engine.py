@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kiln.shared.model import MoEForCausalLM, load_checkpoint
+from kiln.shared.model.checkpoint import from_hf_state_dict
 from kiln.shared.model.moe import token_logprobs
 
 
@@ -55,6 +56,20 @@ class TorchEngine(InferenceEngine):
             model = load_checkpoint(folder).eval()
             with self._lock:
                 self.model, self.version = model, version
+
+        await asyncio.to_thread(_load)
+
+    async def load_state(self, version: int, state: dict) -> None:
+        """A version that arrived as tensors (HF names), e.g. by broadcast."""
+
+        def _load():
+            if self.model is None:
+                raise RuntimeError("load a checkpoint folder first: it carries the model's config")
+            model = MoEForCausalLM(self.model.config)
+            with torch.no_grad():
+                from_hf_state_dict(model, state)
+            with self._lock:
+                self.model, self.version = model.eval(), version
 
         await asyncio.to_thread(_load)
 

@@ -7,7 +7,9 @@ of replicas share the work.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 
 from kiln.shared import contracts as c
 from kiln.shared.service import ServiceContext, service_main
@@ -26,9 +28,34 @@ async def serve(ctx: ServiceContext) -> None:
         raise ValueError("run.id is empty: rollout serves one run (set KILN_RUN__ID or start with `kiln run`)")
     worker = RolloutWorker(ctx, TorchEngine(cfg.rollout.torch_threads), load_suite(cfg.tasks.suite))
     await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
+    if cfg.weights.fetch == "broadcast":
+        start_broadcast_receiver(worker, asyncio.get_running_loop())
     await ctx.bus.consume(
         c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups, ready=ctx.ready
     )
+
+
+def start_broadcast_receiver(worker: RolloutWorker, loop: asyncio.AbstractEventLoop) -> threading.Thread:
+    """Join the weights service's broadcast group and hand every version it sends to the
+    engine. A thread: the collectives block."""
+    from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
+
+    w = worker.cfg.weights
+
+    def run() -> None:
+        group = BroadcastGroup(BroadcastSettings(w.broadcast_init_method, w.broadcast_world_size, w.broadcast_rank, w.broadcast_backend))
+        while not worker.ctx.stop.is_set():
+            try:
+                run_id, version, tensors = group.receive()
+            except Exception as e:  # the sender went away: the run is over or being restarted
+                log.warning("weights broadcast stopped: %s", e)
+                return
+            if run_id == worker.cfg.run.id:
+                asyncio.run_coroutine_threadsafe(worker.on_tensors(version, tensors), loop).result()
+
+    t = threading.Thread(target=run, name="weights-broadcast", daemon=True)
+    t.start()
+    return t
 
 
 def main() -> None:

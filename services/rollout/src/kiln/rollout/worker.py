@@ -37,6 +37,9 @@ from kiln.rollout.engine import InferenceEngine
 log = logging.getLogger("kiln.rollout.worker")
 
 
+BROADCAST_GRACE_S = 30.0
+
+
 class RolloutWorker:
     def __init__(self, ctx: ServiceContext, engine: InferenceEngine, suite: TaskSuite):
         self.ctx = ctx
@@ -48,6 +51,7 @@ class RolloutWorker:
         self._version_changed = asyncio.Condition()
         self._loading = asyncio.Lock()
         self._receivers: dict[str, WeightReceiver] = {}
+        self._fallbacks: set[asyncio.Task] = set()
         self.published = 0
 
     # --- weights -------------------------------------------------------------
@@ -55,6 +59,22 @@ class RolloutWorker:
     async def on_weights(self, msg: c.WeightsPublished) -> None:
         if msg.run_id != self.cfg.run.id or msg.version <= self.engine.version:
             return
+        if self.cfg.weights.fetch == "broadcast" and self.tokenizer is not None:
+            # After the first version (config, tokenizer) tensors arrive by broadcast; the
+            # files are the fallback if they have not come in time.
+            task = asyncio.create_task(self._broadcast_fallback(msg))
+            self._fallbacks.add(task)
+            task.add_done_callback(self._fallbacks.discard)
+            return
+        await self._load_files(msg)
+
+    async def _broadcast_fallback(self, msg: c.WeightsPublished) -> None:
+        await asyncio.sleep(BROADCAST_GRACE_S)
+        if msg.version > self.engine.version:
+            log.warning("version %d did not arrive by broadcast; reading its files", msg.version)
+            await self._load_files(msg)
+
+    async def _load_files(self, msg: c.WeightsPublished) -> None:
         async with self._loading:
             if msg.version <= self.engine.version:
                 return
@@ -67,8 +87,20 @@ class RolloutWorker:
                 await self.engine.load(msg.version, folder)
                 if self.tokenizer is None:
                     self.tokenizer = load_tokenizer(folder)
-            self.ctx.health_detail["version"] = msg.version
+            self.ctx.health_detail.update(version=msg.version, weights_via="files")
             log.info("serving policy version %d", msg.version)
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def on_tensors(self, version: int, tensors: dict) -> None:
+        """A version received over the broadcast group."""
+        async with self._loading:
+            if self.tokenizer is None or version <= self.engine.version:
+                return  # the first version comes as files (it carries config and tokenizer)
+            with self.ctx.tracer.start_as_current_span("rollout.load_weights", attributes={"policy.version": version}):
+                await self.engine.load_state(version, tensors)
+            self.ctx.health_detail.update(version=version, weights_via="broadcast")
+            log.info("serving policy version %d (broadcast)", version)
         async with self._version_changed:
             self._version_changed.notify_all()
 
@@ -84,7 +116,7 @@ class RolloutWorker:
             root = Path(msg.path).parents[1]
             key, make = f"fs:{root}", lambda: FsSource(root)
         if key not in self._receivers:
-            in_place = w.fetch == "fs" and not w.delta and not w.cache_dir
+            in_place = w.fetch in ("fs", "broadcast") and not w.delta and not w.cache_dir
             cache = None if in_place else Path(w.cache_dir or Path(self.cfg.run.dir or ".") / "weights-cache" / self.ctx.instance)
             self._receivers[key] = WeightReceiver(make(), cache)
         return self._receivers[key]

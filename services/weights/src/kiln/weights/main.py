@@ -42,6 +42,7 @@ async def serve(ctx: ServiceContext) -> None:
     if w.http_port >= 0:
         url, http_task = await serve_http(build_app(store, db, w.http_token), w.http_host, w.http_port, w.http_token, ctx.stop)
     public_url = w.public_url or url
+    broadcaster = Broadcaster(w) if w.broadcast_init_method else None
 
     async def on_checkpoint(ck: c.PolicyCheckpoint, delivery: Delivery) -> None:
         src = Path(ck.path)
@@ -79,6 +80,8 @@ async def serve(ctx: ServiceContext) -> None:
                 ),
                 msg_id=f"{ck.run_id}-v{ck.version}",
             )  # fmt: skip
+        if broadcaster is not None:
+            await broadcaster.send(ck.run_id, ck.version, src)
         ctx.health_detail["latest_version"] = ck.version
         log.info("published version %d of %s (%s, %d bytes stored)", ck.version, ck.run_id, m.storage, store.size_on_disk(ck.run_id, ck.version))
 
@@ -105,6 +108,28 @@ async def serve(ctx: ServiceContext) -> None:
             ctx.stop.set()
             await http_task
         await db.close()
+
+
+class Broadcaster:
+    """Rank 0 of the engines' broadcast group (needs torch: ``kiln-weights[broadcast]``).
+    The group forms in the background, so the service serves before every engine joined;
+    versions published before that reach engines through their first file fetch."""
+
+    def __init__(self, w):
+        from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
+
+        settings = BroadcastSettings(w.broadcast_init_method, w.broadcast_world_size, 0, w.broadcast_backend)
+        self.group = asyncio.ensure_future(asyncio.to_thread(BroadcastGroup, settings))
+        self.lock = asyncio.Lock()
+
+    async def send(self, run_id: str, version: int, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        group = await self.group
+        async with self.lock:
+            tensors = await asyncio.to_thread(load_file, str(folder / "model.safetensors"))
+            sent = await asyncio.to_thread(group.send, run_id, version, tensors)
+        log.info("broadcast version %d to %d engines (%d bytes)", version, group.s.world_size - 1, sent)
 
 
 def main() -> None:

@@ -1,0 +1,202 @@
+"""Weight distribution: hand-over to N engines holding a version, against the raw copy.
+
+    .venv/bin/python bench/weights.py [--receivers 1 4 16] [--mb 200]
+
+One run, on a real nats-server and a real weights service process: the learner's
+hand-over (a ``PolicyCheckpoint`` on the bus) of version v+1 of a model of ``--mb`` MB,
+until every one of N light receivers (processes running ``WeightReceiver`` on the
+``kiln.weights.published`` events, as rollout workers do, without an engine) has it
+verified, for full versions read in place from the shared store and for delta versions
+rebuilt in each receiver's cache; next to the raw time to copy the same bytes once
+(the physical floor here). Then the bytes a delta ships for one optimizer step of the
+tiny preset, at its learning rate and at fine-tuning ones, in fp32 and bf16. Prints
+markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kiln.shared import contracts as c
+from kiln.shared.bus import Bus
+from kiln.shared.config import NatsSettings, render_toml
+from kiln.shared.db import Database, Run, upgrade
+from kiln.shared.embedded import NatsServer
+
+RUN = "bench-weights"
+
+
+def model_folder(dest: Path, mb: int, seed: int, base: dict | None = None, change: float = 0.0) -> dict:
+    """A checkpoint-like folder of ``mb`` MB of fp32 tensors (64 tensors); from ``base``,
+    a small update of every tensor (what an optimizer step does)."""
+    g = torch.Generator().manual_seed(seed)
+    n = mb * 1024 * 1024 // 4 // 64
+    if base is None:
+        tensors = {f"model.layers.{i}.w": torch.randn(n, generator=g) * 0.02 for i in range(64)}
+    else:
+        tensors = {k: v + change * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    dest.mkdir(parents=True)
+    save_file(tensors, str(dest / "model.safetensors"))
+    (dest / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    return tensors
+
+
+async def receiver_main(nats_url: str, cache: str, tag: str) -> None:
+    """A light receiver: fetch and verify every published version, report when done."""
+    from kiln.shared.weights.receiver import FsSource, WeightReceiver
+
+    bus = await Bus.connect(NatsSettings(url=nats_url), tag)
+    receivers: dict[str, WeightReceiver] = {}
+
+    async def on(m: c.WeightsPublished) -> None:
+        root = str(Path(m.path).parents[1])
+        if root not in receivers:
+            receivers[root] = WeightReceiver(FsSource(root), Path(cache) if cache else None)
+        await receivers[root].fetch(m)
+        await bus.nc.publish(f"bench.done.{m.version}", tag.encode())
+
+    await bus.watch(c.weights_published_subject(RUN), c.WeightsPublished, on, deliver="new")
+    await bus.nc.publish("bench.ready", tag.encode())
+    await asyncio.Event().wait()
+
+
+async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int) -> tuple[float, float]:
+    """(seconds from hand-over until all n receivers hold v1, raw copy seconds)."""
+    store = tmp / f"store-{n}-{delta}"
+    exp = tmp / f"weights-{n}-{delta}.toml"
+    exp.write_text(render_toml({
+        "run": {"id": RUN}, "nats": {"url": nats.url}, "database": {"url": db_url},
+        "telemetry": {"log_format": "text", "log_level": "WARNING"},
+        "weights": {"store_dir": str(store), "delta": delta, "http_port": -1},
+    }))  # fmt: skip
+    bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
+    await bus.ensure_topology()
+    ready, done = asyncio.Queue(), asyncio.Queue()
+    async def on_ready(m):
+        ready.put_nowait(m.data)
+
+    async def on_done(m):
+        done.put_nowait((m.subject, m.data))
+
+    subs = [await bus.nc.subscribe("bench.ready", cb=on_ready), await bus.nc.subscribe("bench.done.*", cb=on_done)]
+    weights = subprocess.Popen([sys.executable, "-m", "kiln.weights.main", "--config", str(exp), "--instance", f"w{n}{delta}"])
+    receivers = [
+        subprocess.Popen([sys.executable, __file__, "--receiver", nats.url, str(tmp / f"cache-{n}-{delta}-{i}") if delta else "", f"r{i}"])
+        for i in range(n)
+    ]
+    try:
+        for _ in range(n):
+            await asyncio.wait_for(ready.get(), 120)
+        base = model_folder(tmp / f"v0-{n}-{delta}", mb, 0)
+        model_folder(tmp / f"v1-{n}-{delta}", mb, 1, base=base, change=1e-4)
+        for v in (0, 1):
+            t0 = time.perf_counter()
+            ck = c.PolicyCheckpoint(run_id=RUN, version=v, step=v, parent_version=v - 1 if v else None, path=str(tmp / f"v{v}-{n}-{delta}"))
+            await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{RUN}-{n}-{delta}-{v}")
+            for _ in range(n):
+                await asyncio.wait_for(done.get(), 600)
+            took = time.perf_counter() - t0
+        t = time.perf_counter()
+        shutil.copytree(tmp / f"v1-{n}-{delta}", tmp / f"copy-{n}-{delta}")
+        raw = time.perf_counter() - t
+        return took, raw
+    finally:
+        for p in receivers + [weights]:
+            p.send_signal(signal.SIGTERM)
+        for p in receivers + [weights]:
+            p.wait(30)
+        for sub in subs:
+            await sub.unsubscribe()
+        await bus.close()
+        await asyncio.to_thread(shutil.rmtree, store, True)
+
+
+def one_step_deltas() -> list[str]:
+    """Delta bytes of one optimizer step of the tiny preset (non-zero advantages)."""
+    from kiln.learner.config import LearnerConfig
+    from kiln.learner.policy import Policy
+    from kiln.shared.config import load_config
+    from kiln.shared.contracts import Trajectory, TrajectoryStatus
+    from kiln.shared.model.checkpoint import to_hf_state_dict
+    from kiln.shared.tasks import load_suite
+    from kiln.shared.weights.delta import make_delta
+
+    rows = []
+    for lr in (1e-3, 1e-5, 1e-6):
+        random.seed(0)
+        pol = Policy(load_config(LearnerConfig, "configs/tiny.toml", [f"algorithm.lr={lr}"]), load_suite("builtin"))
+        vocab = pol.tokenizer.get_vocab_size()
+
+        def traj(i):
+            ids = [random.randrange(vocab) for _ in range(900)]
+            return Trajectory(
+                run_id="r", trajectory_id=f"t{i}", group_id="g", task_id="t", sample_index=i, dispatch_version=0,
+                status=TrajectoryStatus.FINISHED, token_ids=ids, logprobs=[0.0] * 700 + [-6.0] * 200,
+                token_versions=[-1] * 700 + [0] * 200, loss_mask=[0] * 700 + [1] * 200,
+            )  # fmt: skip
+
+        batch = [(traj(i), random.choice([-0.5, 0.5])) for i in range(8)]
+        d = Path(tempfile.mkdtemp(prefix="kiln-bench-step-"))
+        before = {k: v.clone() for k, v in to_hf_state_dict(pol.model).items()}
+        pol.train_step(batch)
+        after = to_hf_state_dict(pol.model)
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, sd in (("a", before), ("b", after)):
+                (d / f"{name}{dtype}").mkdir()
+                save_file({k: v.to(dtype) for k, v in sd.items()}, str(d / f"{name}{dtype}" / "model.safetensors"))
+            full = (d / f"b{dtype}" / "model.safetensors").stat().st_size
+            blob = make_delta(d / f"a{dtype}", d / f"b{dtype}", ["model.safetensors"], base_version=0)
+            rows.append(f"| {lr:g} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |")
+        shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+async def main(counts: list[int], mb: int) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-weights-"))
+    nats = NatsServer(tmp / "nats").start()
+    db_url = f"sqlite:///{tmp / 'db.sqlite'}"
+    upgrade(db_url)
+    db = Database(db_url)
+    async with db.session() as s:
+        s.add(Run(id=RUN, name="bench"))
+    await db.close()
+    rows = []
+    try:
+        for delta in (False, True):
+            for n in counts:
+                took, raw = await distribution(tmp, nats, db_url, n, delta, mb)
+                rows.append(f"| {'delta (rebuilt per receiver)' if delta else 'full (shared store, in place)'} | {n} | {took:.2f} | {raw:.2f} | {took / raw:.1f}x |")
+    finally:
+        nats.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"| transport ({mb} MB version) | receivers | hand-over -> all hold v1 (s) | raw copy once (s) | ratio |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\n| lr | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
+    print("\n".join(one_step_deltas()))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--receiver":
+        asyncio.run(receiver_main(*sys.argv[2:5]))
+    else:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--receivers", type=int, nargs="+", default=[1, 4, 16])
+        ap.add_argument("--mb", type=int, default=200)
+        a = ap.parse_args()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        asyncio.run(main(a.receivers, a.mb))

@@ -1,0 +1,231 @@
+"""The version store and the weight transports against real files, a real nats-server,
+PostgreSQL and the real weights service: bit-exact round trips, deltas that ship only
+what changed, corruption caught, retention that keeps what kept versions need, the HTTP
+API, and a rollout worker that missed versions catching up."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import select
+
+from kiln.shared import contracts as c
+from kiln.shared.db import Database, PolicyVersion, Run
+from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
+from kiln.shared.model.tokenizer import train_tokenizer
+from kiln.shared.weights.manifest import IntegrityError
+from kiln.shared.weights.receiver import FsSource, HttpSource, WeightReceiver
+
+from kiln.weights.store import VersionStore
+
+from harness import InProcessPlatform, experiment, wait_for
+
+CFG = MoEConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+
+
+def checkpoints(tmp_path, n: int, change: float = 1.0, seed: int = 0):
+    """``n`` staged versions; each perturbs ``change`` of the tensors of the previous."""
+    model = MoEForCausalLM(CFG).init_weights(seed)
+    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 4, CFG.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    out = []
+    for v in range(n):
+        if v:
+            k = max(1, round(change * len(params)))
+            for i in torch.randperm(len(params), generator=g)[:k].tolist():
+                with torch.no_grad():
+                    params[i].add_(torch.randn(params[i].shape, generator=g) * 1e-3)
+        out.append(save_checkpoint(model, tmp_path / "staging" / f"v{v}", tokenizer))
+    return out
+
+
+def published(stored, run="r", v=0) -> c.WeightsPublished:
+    return c.WeightsPublished(
+        run_id=run, version=v, step=v, path=str(stored.path), manifest=stored.manifest, manifest_sha256=stored.digest
+    )
+
+
+def same_files(a, b) -> bool:
+    return all((a / f).read_bytes() == (b / f).read_bytes() for f in ("model.safetensors", "config.json"))
+
+
+@pytest.mark.parametrize("delta", [False, True])
+async def test_round_trip_is_bit_exact(tmp_path, delta):
+    staged = checkpoints(tmp_path, 4)
+    store = VersionStore(tmp_path / "store", delta=delta, keyframe_every=10)
+    stored = [store.put(s, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, s in enumerate(staged)]
+    assert [s.manifest.storage for s in stored] == ["full"] + ["delta" if delta else "full"] * 3
+    cold = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-cold")
+    warm = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-warm")
+    for v, s in enumerate(stored):
+        got = await warm.fetch(published(s, v=v))
+        assert same_files(got, staged[v]), v
+    got = await cold.fetch(published(stored[3], v=3))  # nothing cached: rebuilt from v0 and the deltas
+    assert same_files(got, staged[3])
+    a, b = load_file(str(got / "model.safetensors")), load_file(str(staged[3] / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    again = store.put(staged[3], run_id="r", version=3, step=3, parent_version=2)  # redelivered
+    assert again.digest == stored[3].digest
+
+
+async def test_delta_ships_only_what_changed(tmp_path):
+    """100 equal tensors, 2 of them changed: the delta is about 2% of the bytes."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.{i}.w": torch.randn(64, 256, generator=g) for i in range(100)}
+    folders = []
+    for v in range(2):
+        if v:
+            for i in (17, 63):
+                tensors[f"model.layers.{i}.w"] = tensors[f"model.layers.{i}.w"] + 1e-3 * torch.randn(64, 256, generator=g)
+        d = tmp_path / f"v{v}"
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text('{"model_type": "qwen3_moe"}')
+        folders.append(d)
+    full = (folders[1] / "model.safetensors").stat().st_size
+    store = VersionStore(tmp_path / "store", delta=True, keyframe_every=10)
+    store.put(folders[0], run_id="r", version=0, step=0, parent_version=None)
+    d = store.put(folders[1], run_id="r", version=1, step=1, parent_version=0)
+    shipped = d.manifest.delta.size
+    assert 0.005 < shipped / full < 0.03, (shipped, full)  # ~2%: the changed tensors, compressed
+    out = await WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache").fetch(published(d, v=1))
+    assert (out / "model.safetensors").read_bytes() == (folders[1] / "model.safetensors").read_bytes()
+
+
+async def test_corruption_is_detected_and_refetched(tmp_path):
+    staged = checkpoints(tmp_path, 2)
+    store = VersionStore(tmp_path / "store", delta=False, keyframe_every=10)
+    s0 = store.put(staged[0], run_id="r", version=0, step=0, parent_version=None)
+    in_place = WeightReceiver(FsSource(tmp_path / "store"))
+    f = s0.path / "model.safetensors"
+    good = f.read_bytes()
+    f.write_bytes(good[:-10] + b"0123456789")  # bit rot in the store
+    with pytest.raises(IntegrityError):
+        await in_place.fetch(published(s0))
+
+    class Flaky(FsSource):  # the first download of the weights arrives truncated
+        calls = 0
+
+        async def download(self, run_id, version, rel, dest):
+            await super().download(run_id, version, rel, dest)
+            if rel == "model.safetensors" and Flaky.calls == 0:
+                Flaky.calls += 1
+                dest.write_bytes(dest.read_bytes()[:1000])
+
+    f.write_bytes(good)
+    cached = WeightReceiver(Flaky(tmp_path / "store"), tmp_path / "cache")
+    got = await cached.fetch(published(s0))
+    assert same_files(got, staged[0]) and Flaky.calls == 1
+
+
+def test_retention_keeps_chains_and_tags(tmp_path):
+    staged = checkpoints(tmp_path, 7)
+    store = VersionStore(tmp_path / "store", delta=True, keyframe_every=3)
+    for v, s in enumerate(staged):
+        store.put(s, run_id="r", version=v, step=v, parent_version=v - 1 if v else None)
+    assert [store.manifest("r", v).storage for v in range(7)] == ["full", "delta", "delta", "full", "delta", "delta", "full"]
+    assert store.chain("r", 5) == [3, 4, 5]
+    deleted = store.retain("r", keep_last=2, protected={1})
+    # keep 5 and 6 (newest two): 5 needs 3 and 4; tagged 1 needs 0
+    assert sorted(deleted) == [2] and store.versions("r") == [0, 1, 3, 4, 5, 6]
+
+
+async def test_weights_service_publishes_serves_and_retains(nats_server, bus, pg_url, run_dir, tmp_path):
+    exp = experiment(run_dir, nats_server.url, pg_url, weights={"delta": True, "keyframe_every": 4, "keep_last": 2,
+                                                                  "http_port": 0, "http_token": "tok"})  # fmt: skip
+    p = InProcessPlatform(exp)
+    run_id = p.config("weights").run.id
+    db = Database(pg_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    staged = checkpoints(tmp_path, 6)
+    seen: list[c.WeightsPublished] = []
+
+    async def on(m):
+        seen.append(m)
+
+    await bus.watch(c.weights_published_subject(run_id), c.WeightsPublished, on, deliver="all")
+    await p.start("weights")
+    try:
+        for v, folder in enumerate(staged):
+            ck = c.PolicyCheckpoint(run_id=run_id, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder))
+            await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run_id}-ckpt-v{v}")
+        await wait_for(lambda: len(seen) == 6, 60, 0.1, "six versions published")
+        assert [m.version for m in seen] == list(range(6)) and seen[0].url.startswith("http://127.0.0.1:")
+        url = seen[-1].url
+        async with httpx.AsyncClient(base_url=url) as h:
+            assert (await h.get(f"/runs/{run_id}/versions")).status_code == 401
+            auth = {"Authorization": "Bearer tok"}
+            rows = (await h.get(f"/runs/{run_id}/versions", headers=auth)).json()["versions"]
+            assert [r["storage"] for r in rows] == ["full", "delta", "delta", "delta", "full", "delta"]
+            # keep_last=2 keeps 4 and 5 (5 needs 4, a full version); 0..3 are gone
+            assert [r["version"] for r in rows if not r["deleted"]] == [4, 5]
+            m4 = (await h.get(f"/runs/{run_id}/versions/4/manifest", headers=auth)).json()
+            size = next(f["size"] for f in m4["files"] if f["path"] == "model.safetensors")
+            part = await h.get(f"/runs/{run_id}/versions/4/files/model.safetensors", headers={**auth, "Range": "bytes=8-23"})
+            assert part.status_code == 206 and part.content == (staged[4] / "model.safetensors").read_bytes()[8:24]
+            assert int(part.headers["content-range"].split("/")[1]) == size
+            assert (await h.get(f"/runs/{run_id}/versions/4/files/../../etc/passwd", headers=auth)).status_code == 404
+            r = await h.post(f"/runs/{run_id}/versions/5/tags", json={"tag": "best"}, headers=auth)
+            assert r.json()["tags"] == ["best"]
+            assert (await h.put(f"/runs/{run_id}/versions/4/pin", headers=auth)).json()["pinned"] is True
+
+        # a receiver over HTTP, with a cache, rebuilds the newest version from the API
+        receiver = WeightReceiver(HttpSource(url, "tok"), tmp_path / "http-cache")
+        got = await receiver.fetch(seen[-1])
+        assert same_files(got, staged[5])
+        full_bytes = sum(f.size for f in seen[-1].manifest.files)
+        assert receiver.fetched_bytes < 2 * full_bytes  # v4 whole + a small delta
+        await receiver.source.close()
+        async with db.session() as s:
+            rows = {r.version: r for r in (await s.scalars(select(PolicyVersion))).all()}
+        assert rows[0].deleted_at is not None and rows[5].deleted_at is None and rows[5].stored_bytes < rows[4].stored_bytes
+    finally:
+        await p.stop_all()
+        await db.close()
+
+
+async def test_rollout_worker_down_for_three_versions_catches_up(nats_server, bus, pg_url, run_dir, tmp_path):
+    exp = experiment(run_dir, nats_server.url, pg_url, weights={"delta": True, "keyframe_every": 10})
+    p = InProcessPlatform(exp)
+    run_id = p.config("weights").run.id
+    db = Database(pg_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    await db.close()
+    staged = checkpoints(tmp_path, 5)
+    await p.start("weights")
+    try:
+        for v, folder in enumerate(staged[:2]):
+            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(
+                run_id=run_id, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder)))  # fmt: skip
+        rollout = await p.start("rollout", instance="late-worker")
+
+        async def serving(v):
+            h = await bus.request(f"{c.HEALTH_PREFIX}.rollout", c.HealthProbe(), c.HealthReply)
+            return h.detail.get("version") == v
+
+        await wait_for(lambda: serving(1), 60, 0.2, "worker serves v1")
+        await p.stop(rollout)  # down while three versions go by
+        for v in (2, 3, 4):
+            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(
+                run_id=run_id, version=v, step=v, parent_version=v - 1, path=str(staged[v])))  # fmt: skip
+        await wait_for(lambda: (run_dir / "weights" / run_id / "v000004" / "manifest.json").exists(), 30, 0.1, "v4 stored")
+        await p.start("rollout", instance="late-worker")
+        await wait_for(lambda: serving(4), 60, 0.2, "worker caught up to v4")
+        rebuilt = run_dir / "weights-cache" / "late-worker" / run_id / "v000004"
+        assert same_files(rebuilt, staged[4])
+        assert hashlib.sha256((rebuilt / "model.safetensors").read_bytes()).hexdigest() == next(
+            f.sha256 for f in c.WeightsManifest.model_validate_json((run_dir / "weights" / run_id / "v000004" / "manifest.json").read_text()).files
+            if f.path == "model.safetensors"
+        )  # fmt: skip
+    finally:
+        await p.stop_all()
