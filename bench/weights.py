@@ -40,9 +40,12 @@ from kiln.shared.embedded import NatsServer
 RUN = "bench-weights"
 
 
+SHARDS = 4
+
+
 def model_folder(dest: Path, mb: int, seed: int, base: dict | None = None, change: float = 0.0) -> dict:
-    """A checkpoint-like folder of ``mb`` MB of fp32 tensors (64 tensors); from ``base``,
-    a small update of every tensor (what an optimizer step does)."""
+    """A checkpoint-like folder of ``mb`` MB of fp32 tensors (64 tensors in 4 shards, as
+    HF checkpoints are sharded); from ``base``, a small update of every tensor."""
     g = torch.Generator().manual_seed(seed)
     n = mb * 1024 * 1024 // 4 // 64
     if base is None:
@@ -50,12 +53,15 @@ def model_folder(dest: Path, mb: int, seed: int, base: dict | None = None, chang
     else:
         tensors = {k: v + change * torch.randn(v.shape, generator=g) for k, v in base.items()}
     dest.mkdir(parents=True)
-    save_file(tensors, str(dest / "model.safetensors"))
+    names = sorted(tensors)
+    for i in range(SHARDS):
+        part = {k: tensors[k] for k in names[i::SHARDS]}
+        save_file(part, str(dest / f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors"))
     (dest / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     return tensors
 
 
-async def receiver_main(nats_url: str, cache: str, tag: str) -> None:
+async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
     """A light receiver: fetch and verify every published version, report when done."""
     from kiln.shared.weights.receiver import FsSource, WeightReceiver
 
@@ -69,17 +75,23 @@ async def receiver_main(nats_url: str, cache: str, tag: str) -> None:
         await receivers[root].fetch(m)
         await bus.nc.publish(f"bench.done.{m.version}", tag.encode())
 
-    await bus.watch(c.weights_published_subject(RUN), c.WeightsPublished, on, deliver="new")
+    await bus.watch(c.weights_published_subject(run), c.WeightsPublished, on, deliver="new")
     await bus.nc.publish("bench.ready", tag.encode())
     await asyncio.Event().wait()
 
 
-async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int) -> tuple[float, float]:
-    """(seconds from hand-over until all n receivers hold v1, raw copy seconds)."""
+async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int) -> tuple[float, float, float]:
+    """(seconds from hand-over until all n receivers hold v1, raw copy seconds, seconds
+    to sha256 the same bytes once)."""
+    # One run per measurement: the database remembers which versions a run has stored.
+    run = f"{RUN}-{n}-{'delta' if delta else 'full'}"
+    async with (db := Database(db_url)).session() as s:
+        s.add(Run(id=run, name="bench"))
+    await db.close()
     store = tmp / f"store-{n}-{delta}"
     exp = tmp / f"weights-{n}-{delta}.toml"
     exp.write_text(render_toml({
-        "run": {"id": RUN}, "nats": {"url": nats.url}, "database": {"url": db_url},
+        "run": {"id": run}, "nats": {"url": nats.url}, "database": {"url": db_url},
         "telemetry": {"log_format": "text", "log_level": "WARNING"},
         "weights": {"store_dir": str(store), "delta": delta, "http_port": -1},
     }))  # fmt: skip
@@ -95,25 +107,31 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
     subs = [await bus.nc.subscribe("bench.ready", cb=on_ready), await bus.nc.subscribe("bench.done.*", cb=on_done)]
     weights = subprocess.Popen([sys.executable, "-m", "kiln.weights.main", "--config", str(exp), "--instance", f"w{n}{delta}"])
     receivers = [
-        subprocess.Popen([sys.executable, __file__, "--receiver", nats.url, str(tmp / f"cache-{n}-{delta}-{i}") if delta else "", f"r{i}"])
+        subprocess.Popen([sys.executable, __file__, "--receiver", nats.url, str(tmp / f"cache-{n}-{delta}-{i}") if delta else "", f"r{i}", run])
         for i in range(n)
     ]
     try:
         for _ in range(n):
             await asyncio.wait_for(ready.get(), 120)
+        print(f"[bench] {n} receivers ready (delta={delta})", file=sys.stderr, flush=True)
         base = model_folder(tmp / f"v0-{n}-{delta}", mb, 0)
         model_folder(tmp / f"v1-{n}-{delta}", mb, 1, base=base, change=1e-4)
         for v in (0, 1):
             t0 = time.perf_counter()
-            ck = c.PolicyCheckpoint(run_id=RUN, version=v, step=v, parent_version=v - 1 if v else None, path=str(tmp / f"v{v}-{n}-{delta}"))
-            await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{RUN}-{n}-{delta}-{v}")
+            ck = c.PolicyCheckpoint(run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(tmp / f"v{v}-{n}-{delta}"))
+            await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run}-{v}")
             for _ in range(n):
                 await asyncio.wait_for(done.get(), 600)
+            print(f"[bench] v{v} held by {n}", file=sys.stderr, flush=True)
             took = time.perf_counter() - t0
         t = time.perf_counter()
         shutil.copytree(tmp / f"v1-{n}-{delta}", tmp / f"copy-{n}-{delta}")
         raw = time.perf_counter() - t
-        return took, raw
+        from kiln.shared.weights.manifest import sha256_files
+
+        t = time.perf_counter()
+        sha256_files(sorted((tmp / f"v1-{n}-{delta}").glob("*.safetensors")))
+        return took, raw, time.perf_counter() - t
     finally:
         for p in receivers + [weights]:
             p.send_signal(signal.SIGTERM)
@@ -170,21 +188,18 @@ async def main(counts: list[int], mb: int) -> None:
     nats = NatsServer(tmp / "nats").start()
     db_url = f"sqlite:///{tmp / 'db.sqlite'}"
     upgrade(db_url)
-    db = Database(db_url)
-    async with db.session() as s:
-        s.add(Run(id=RUN, name="bench"))
-    await db.close()
     rows = []
     try:
         for delta in (False, True):
             for n in counts:
-                took, raw = await distribution(tmp, nats, db_url, n, delta, mb)
-                rows.append(f"| {'delta (rebuilt per receiver)' if delta else 'full (shared store, in place)'} | {n} | {took:.2f} | {raw:.2f} | {took / raw:.1f}x |")
+                took, raw, sha = await distribution(tmp, nats, db_url, n, delta, mb)
+                kind = "delta (rebuilt per receiver)" if delta else "full (shared store, in place)"
+                rows.append(f"| {kind} | {n} | {took:.2f} | {took / n:.3f} | {raw:.3f} | {sha:.3f} | {took / raw:.1f}x |")
     finally:
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"| transport ({mb} MB version) | receivers | hand-over -> all hold v1 (s) | raw copy once (s) | ratio |")
-    print("|---|---|---|---|---|")
+    print(f"| transport ({mb} MB version) | receivers | hand-over -> all hold v1 (s) | per receiver (s) | raw copy once (s) | sha256 once (s) | all hold / raw copy |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\n| lr | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
     print("\n".join(one_step_deltas()))
@@ -192,7 +207,7 @@ async def main(counts: list[int], mb: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--receiver":
-        asyncio.run(receiver_main(*sys.argv[2:5]))
+        asyncio.run(receiver_main(*sys.argv[2:6]))
     else:
         ap = argparse.ArgumentParser()
         ap.add_argument("--receivers", type=int, nargs="+", default=[1, 4, 16])

@@ -100,6 +100,24 @@ async def test_delta_ships_only_what_changed(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (folders[1] / "model.safetensors").read_bytes()
 
 
+def test_full_versions_are_linked_on_one_filesystem_and_copied_across(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    staged = checkpoints(tmp_path, 2)
+    store = VersionStore(tmp_path / "store", delta=False, keyframe_every=10)
+    s0 = store.put(staged[0], run_id="r", version=0, step=0, parent_version=None)
+    assert os.stat(s0.path / "model.safetensors").st_ino == os.stat(staged[0] / "model.safetensors").st_ino
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    s1 = store.put(staged[1], run_id="r", version=1, step=1, parent_version=0)
+    assert os.stat(s1.path / "model.safetensors").st_ino != os.stat(staged[1] / "model.safetensors").st_ino
+    assert same_files(s1.path, staged[1]) and not list(s1.path.parent.glob("*.tmp-*"))
+
+
 async def test_corruption_is_detected_and_refetched(tmp_path):
     staged = checkpoints(tmp_path, 2)
     store = VersionStore(tmp_path / "store", delta=False, keyframe_every=10)

@@ -11,6 +11,11 @@ Invariants: a version directory appears atomically (written under a temporary na
 then renamed), so a reader never sees half a version; a delta version's chain back to
 a full version is never broken by retention (a version is kept whenever a kept version
 needs it); storing the same version twice stores it once (a redelivered checkpoint).
+
+A full version is hard-linked from the learner's staging folder when both are on one
+filesystem (no copy, no second hash): the learner hands a staged folder over and never
+rewrites its files in place (it writes each version to a new folder), so the linked
+inodes keep the bytes the manifest hashed. Elsewhere the files are copied and verified.
 """
 
 from __future__ import annotations
@@ -26,6 +31,21 @@ from kiln.shared.weights.delta import make_delta
 from kiln.shared.weights.manifest import MANIFEST, build_manifest, verify
 
 DELTA = "delta.kd"
+
+
+def link_tree(src: Path, dest: Path) -> bool:
+    """Hard-link every file of ``src`` under ``dest``; False (and nothing left at
+    ``dest``) when the two are on different filesystems or links are refused."""
+    try:
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            target = dest / f.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(f, target)
+    except OSError:
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True, exist_ok=True)
+        return False
+    return True
 
 
 @dataclass
@@ -77,6 +97,8 @@ class VersionStore:
             manifest.storage = "delta"
             manifest.base_version = parent_version
             manifest.delta = FileInfo(path=DELTA, size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+        elif link_tree(src, tmp):
+            pass  # the same inodes the manifest was just hashed from: nothing to re-check
         else:
             shutil.copytree(src, tmp, dirs_exist_ok=True)
             verify(tmp, manifest)  # the copy is what receivers will read
@@ -95,7 +117,8 @@ class VersionStore:
         base = self.root / run_id / ".base"
         tmp = base.with_name(".base.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
+        if not link_tree(src, tmp):
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
         (tmp / MANIFEST).write_text(manifest.model_dump_json(by_alias=True))
         shutil.rmtree(base, ignore_errors=True)
         os.replace(tmp, base)
