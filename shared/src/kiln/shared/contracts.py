@@ -485,7 +485,7 @@ class StepMetrics(Message):
 
 class RunEvent(Message):
     run_id: str
-    kind: Literal["started", "finished", "failed"]
+    kind: Literal["started", "resumed", "finished", "failed"]
     detail: str = ""
     at: float = Field(default_factory=time.time)
 

@@ -28,6 +28,18 @@ class LearnerSettings(Section):
     end the run with its reason, not re-dispatch forever."""
     tokenizer_corpus_repeats: int = 4
     """Times the task suite is repeated in the tokenizer's training corpus."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up over this many optimizer steps (0 = none)."""
+    checkpoint_dir: str = ""
+    """Root of the learner's whole-state checkpoints (DCP); empty = ``<run.dir>/learner``.
+    One checkpoint per step is committed before that step's version is handed over."""
+    checkpoint_keep: int = Field(default=2, ge=1)
+    """Committed checkpoints kept per run (older ones are deleted)."""
+    checkpoint_async: bool = True
+    """Write checkpoint files in the background while the version is staged."""
+    resume: bool = True
+    """Resume the run from its newest checkpoint when one exists (a restarted learner
+    takes up where it stopped); False refuses to start a run that already has groups."""
 
 
 class LearnerConfig(ServiceConfig):

@@ -12,7 +12,11 @@ Invariants:
   + dropped``; with ``max_staleness = 0`` every group is generated and trained under
   the same version (a synchronous loop); a drop frees a slot for a replacement;
 - each sample of a group is its own trace: the controller starts one ``dispatch`` span
-  per sample and sends its ``traceparent`` in the request.
+  per sample and sends its ``traceparent`` in the request;
+- the data cursor is the group index: group ``n`` of a run always gets the same task
+  (drawn from ``run.seed`` and ``n``), so a resumed controller, which reads what was
+  dispatched, dropped and is still in flight back from the database, continues the
+  very sequence an uninterrupted run would have dispatched.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from kiln.learner.config import LearnerConfig
 log = logging.getLogger("kiln.learner.controller")
 
 
+def _utc(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)  # SQLite drops the zone
+
+
 class Controller:
     def __init__(self, ctx: ServiceContext, db: Database, suite: TaskSuite):
         self.ctx = ctx
@@ -44,7 +52,6 @@ class Controller:
         self.db = db
         self.run_id = self.cfg.run.id
         self.tasks = suite.split(self.cfg.tasks.split)
-        self.rng = random.Random(self.cfg.run.seed)
         self.published_version = -1
         self.dispatched = 0
         self.dropped = 0
@@ -59,19 +66,46 @@ class Controller:
 
     # --- run lifecycle ---------------------------------------------------------
 
-    async def start_run(self) -> None:
+    async def start_run(self, resume_version: int | None = None) -> None:
+        """Create the run, or with ``resume_version`` (the restored policy's version) take
+        up an existing one where its database says it stands."""
         async with self.db.session() as s:
             run = await s.get(Run, self.run_id)
             if run is None:
                 s.add(Run(id=self.run_id, name=self.cfg.run.name, config=self.cfg.model_dump(mode="json")))
             elif run.status != "running":
                 raise RuntimeError(f"run {self.run_id} is already {run.status}")
-            existing = await s.scalar(select(func.count()).select_from(TaskGroup).where(TaskGroup.run_id == self.run_id))
-        if existing:
+            groups = (await s.execute(select(TaskGroup).where(TaskGroup.run_id == self.run_id))).scalars().all()
+        if groups and resume_version is None:
             raise RuntimeError(
-                f"run {self.run_id} already has {existing} groups: resuming a run is not supported yet; start a new run id"
+                f"run {self.run_id} already has {len(groups)} groups and no learner checkpoint to resume from;"
+                " start a new run id"
             )
-        await self.ctx.bus.publish(c.RUN_EVENTS, c.RunEvent(run_id=self.run_id, kind="started"))
+        if resume_version is not None:
+            self._restore(groups, resume_version)
+        kind = "resumed" if resume_version is not None else "started"
+        await self.ctx.bus.publish(c.RUN_EVENTS, c.RunEvent(run_id=self.run_id, kind=kind))
+
+    def _restore(self, groups: list[TaskGroup], version: int) -> None:
+        a = self.cfg.algorithm
+        self.dispatched = len(groups)
+        self.dropped = sum(g.status == "dropped" for g in groups)
+        self.trained = sum(g.status == "trained" for g in groups)
+        for g in groups:
+            if g.status == "dispatched":
+                self.inflight[g.group_id] = c.RolloutRequest(
+                    run_id=self.run_id, group_id=g.group_id, task_id=g.task_id, n_samples=g.n_samples,
+                    dispatch_version=g.dispatch_version, deadline=_utc(g.deadline).timestamp(),
+                )  # fmt: skip
+        for v in range(version + 1):
+            self._recorded.setdefault(v, asyncio.Event()).set()
+        log.info(
+            "resuming run %s at version %d: %d groups dispatched, %d in flight, %d trained, %d dropped",
+            self.run_id, version, self.dispatched, len(self.inflight), self.trained, self.dropped,
+        )  # fmt: skip
+
+    def task_for(self, index: int):
+        return random.Random(f"{self.cfg.run.seed}:{index}").choice(self.tasks)
 
     async def finish_run(self, status: str = "finished", detail: str = "") -> None:
         if self.finished.is_set():
@@ -121,7 +155,7 @@ class Controller:
 
     async def _dispatch(self) -> None:
         a = self.cfg.algorithm
-        task = self.rng.choice(self.tasks)
+        task = self.task_for(self.dispatched)
         gid = f"{self.run_id}-g{self.dispatched:06d}"
         deadline = time.time() + a.group_deadline_s
         traces = []
@@ -171,9 +205,14 @@ class Controller:
             return
         await self.refill()
 
-    async def mark_trained(self, group_ids: list[str], trajectory_ids: list[str], version: int) -> None:
+    async def mark_trained(
+        self, group_ids: list[str], trajectory_ids: list[str], version: int, *, resumed: bool = False
+    ) -> None:
+        """``resumed``: re-stamping a restored checkpoint's groups, some already ended."""
         async with self._lock:
             for gid in group_ids:
+                if resumed and gid not in self.inflight:
+                    continue
                 await self._end(gid, "trained", trained_version=version)
             self.dropped_since_step = 0
         async with self.db.session() as s:

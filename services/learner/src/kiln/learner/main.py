@@ -1,7 +1,8 @@
 """learner entrypoint: ``python -m kiln.learner.main``.
 
 Starts the run (its database row), trains the tokenizer and initial policy and hands
-version 0 to the weights service, then reacts: every published version lets the
+version 0 to the weights service (or, when the run has a learner checkpoint, restores
+the whole state and takes the run up where it stopped), then reacts: every published version lets the
 controller dispatch more groups, every scored trajectory goes to the trainer, and the
 run ends when version ``algorithm.steps`` is published.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database
@@ -19,6 +21,7 @@ from kiln.shared.tasks import load_suite
 from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
 from kiln.learner.policy import Policy
+from kiln.learner.state import Checkpointer
 from kiln.learner.trainer import Trainer
 
 log = logging.getLogger("kiln.learner")
@@ -32,12 +35,21 @@ async def serve(ctx: ServiceContext) -> None:
     try:
         suite = load_suite(cfg.tasks.suite)
         controller = Controller(ctx, db, suite)
-        await controller.start_run()
+        root = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
+        checkpointer = Checkpointer(root / cfg.run.id, keep=cfg.learner.checkpoint_keep)
+        meta = checkpointer.latest() if cfg.learner.resume else None
         policy = await asyncio.to_thread(Policy, cfg, suite)
-        log.info("initial policy: %d parameters, vocabulary %d", policy.model.num_parameters(), policy.tokenizer.get_vocab_size())
-        trainer = Trainer(ctx, controller, policy)
+        if meta is not None:
+            await asyncio.to_thread(checkpointer.load, policy.model, policy.optimizer, policy.scheduler, meta)
+            log.info("restored the learner's state after step %d (version %d)", meta.step, meta.version)
+        await controller.start_run(resume_version=meta.version if meta else None)
+        log.info("policy: %d parameters, vocabulary %d", policy.model.num_parameters(), policy.tokenizer.get_vocab_size())
+        trainer = Trainer(ctx, controller, policy, checkpointer)
         await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, controller.on_published)
-        await trainer.publish_initial()
+        if meta is None:
+            await trainer.publish_initial()
+        else:
+            await trainer.resume(meta)
 
         done = asyncio.Event()
 

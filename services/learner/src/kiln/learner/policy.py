@@ -49,6 +49,17 @@ class StepStats:
     seconds: float
 
 
+class _Warmup:
+    """Linear LR warm-up over ``steps`` optimizer steps, then constant (picklable, so the
+    scheduler's state round-trips through a checkpoint)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / (self.steps + 1)) if self.steps else 1.0
+
+
 class Policy:
     def __init__(self, cfg: LearnerConfig, suite: TaskSuite):
         self.cfg = cfg
@@ -64,6 +75,7 @@ class Policy:
         ).init_weights(cfg.run.seed)
         a = cfg.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _Warmup(cfg.learner.lr_warmup_steps))
 
     def stage(self, folder: Path) -> Path:
         return save_checkpoint(self.model, folder, self.tokenizer)
@@ -94,6 +106,7 @@ class Policy:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm)
         self.optimizer.step()
+        self.scheduler.step()
         return StepStats(
             loss=float(pg.detach()),
             aux_loss=float(aux.detach()),

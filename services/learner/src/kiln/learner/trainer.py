@@ -9,7 +9,12 @@ Invariants:
   sample, or whose oldest token is older than ``max_staleness`` versions, is dropped
   with that reason instead of trained;
 - the version a step produces is ``step + 1``; the trajectories it trained are stamped
-  with it in the database (``trained_version``).
+  with it in the database (``trained_version``);
+- the learner's whole state after a step is committed to a checkpoint (``state.py``)
+  before that step's version is handed over and its messages acked, so a learner that
+  is killed and resumed trains every group in exactly one step;
+- a batch is ordered by group id and sample index, not by arrival, so the same groups
+  give the same step however their messages were (re)delivered.
 """
 
 from __future__ import annotations
@@ -31,16 +36,18 @@ from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
 from kiln.learner.grpo import group_advantages
 from kiln.learner.policy import Policy
+from kiln.learner.state import Checkpointer, Meta
 
 log = logging.getLogger("kiln.learner.trainer")
 
 
 class Trainer:
-    def __init__(self, ctx: ServiceContext, controller: Controller, policy: Policy):
+    def __init__(self, ctx: ServiceContext, controller: Controller, policy: Policy, checkpointer: Checkpointer | None = None):
         self.ctx = ctx
         self.cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
         self.controller = controller
         self.policy = policy
+        self.checkpointer = checkpointer
         self.step = 0
         self.pending: dict[str, dict[str, tuple[c.ScoredTrajectory, Delivery]]] = {}
         self.ready: list[str] = []
@@ -53,7 +60,19 @@ class Trainer:
     async def publish_initial(self) -> None:
         await self._hand_over(0, parent=None)
 
-    async def _hand_over(self, version: int, parent: int | None) -> None:
+    async def resume(self, meta: Meta) -> None:
+        """Take up the run from a restored checkpoint: hand its version over again (the
+        weights service stores a version once), and stamp the groups its step trained."""
+        self.step = meta.step
+        if meta.version == 0:
+            await self.publish_initial()
+            return
+        await self._hand_over(meta.version, parent=meta.version - 1)
+        await self.controller.mark_trained(meta.trained_groups, meta.trained_trajectories, meta.version, resumed=True)
+        self.controller.step_recorded(meta.version)
+
+    async def _hand_over(self, version: int, parent: int | None, committed=None) -> None:
+        """Stage ``version`` and publish it; ``committed`` (blocking) runs between the two."""
         run_staging = self.staging / self.cfg.run.id
         folder = run_staging / f"v{version:06d}"
         shutil.rmtree(folder, ignore_errors=True)
@@ -63,6 +82,8 @@ class Trainer:
                 if old.name[1:].isdigit() and int(old.name[1:]) < self.controller.published_version:
                     shutil.rmtree(old, ignore_errors=True)
         await asyncio.to_thread(self.policy.stage, folder)
+        if committed is not None:
+            await asyncio.to_thread(committed)
         await self.ctx.bus.publish(
             c.WEIGHTS_CHECKPOINT,
             c.PolicyCheckpoint(run_id=self.cfg.run.id, version=version, step=self.step, parent_version=parent, path=str(folder)),
@@ -122,8 +143,9 @@ class Trainer:
         batch: list[tuple[c.Trajectory, float]] = []
         used: list[tuple[c.ScoredTrajectory, Delivery]] = []
         rewards, passes, infra = [], [], 0
+        groups = sorted(groups)
         for gid in groups:
-            entries = list(self.pending.pop(gid).values())
+            entries = sorted(self.pending.pop(gid).values(), key=lambda e: e[0].trajectory.sample_index)
             used += entries
             valid = [s for s, _ in entries if not s.infra_error]
             infra += len(entries) - len(valid)
@@ -140,7 +162,19 @@ class Trainer:
         ):
             stats = await asyncio.to_thread(self.policy.train_step, batch)
             self.step += 1
-            await self._hand_over(version, parent=version - 1)
+            committed = None
+            if self.checkpointer is not None:
+                meta = Meta(
+                    step=self.step, version=version, trained_groups=groups,
+                    trained_trajectories=[s.trajectory.trajectory_id for s, _ in used],
+                )  # fmt: skip
+                p = self.policy
+                await asyncio.to_thread(
+                    self.checkpointer.save, p.model, p.optimizer, p.scheduler, meta,
+                    asynchronous=self.cfg.learner.checkpoint_async,
+                )  # fmt: skip
+                committed = self.checkpointer.wait  # the DCP files are written while the version is staged
+            await self._hand_over(version, parent=version - 1, committed=committed)
         now_ns = time.time_ns()
         for _, d in used:  # the step, as seen from each trajectory's own trace
             self.ctx.tracer.start_span(
