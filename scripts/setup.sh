@@ -51,6 +51,6 @@ pip install --upgrade pip >/dev/null 2>&1 || true
 }
 say "installing kiln packages (editable) and test tools"
 pip install -e "shared[model,embedded]" -e "services/env-pool[semantic]" -e services/rollout -e services/reward \
-  -e services/weights -e services/learner -r requirements-dev.txt
+  -e services/weights -e "services/learner[ray]" -r requirements-dev.txt
 echo "$want" > "$stamp"
 say "ready: .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

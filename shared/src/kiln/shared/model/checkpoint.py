@@ -30,8 +30,8 @@ def to_hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
                 out[name] = t
             continue
         parts = name.split(".")
-        if parts[0] == "layers" and parts[2] == "mlp" and parts[3] in ("w_gate", "w_up", "w_down"):
-            proj = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[parts[3]]
+        if parts[0] == "layers" and parts[2] == "mlp" and parts[3] == "experts":
+            proj = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[parts[4]]
             for e in range(t.shape[0]):
                 out[f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.weight"] = t[e].clone()
             continue
@@ -58,7 +58,7 @@ def from_hf_state_dict(model: MoEForCausalLM, sd: dict[str, torch.Tensor]) -> No
         if sorted(per) != list(range(cfg.num_experts)):
             raise KeyError(f"layer {layer} {proj}: experts {sorted(per)} != 0..{cfg.num_experts - 1}")
         key = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}[proj]
-        own[f"layers.{layer}.mlp.{key}"] = torch.stack([per[e] for e in range(cfg.num_experts)])
+        own[f"layers.{layer}.mlp.experts.{key}"] = torch.stack([per[e] for e in range(cfg.num_experts)])
     if cfg.tie_word_embeddings:
         own["lm_head.weight"] = own["embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(own, strict=False)

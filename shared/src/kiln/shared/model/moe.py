@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.shared.model.experts import GroupedExperts
+
 
 @dataclass
 class MoEConfig:
@@ -144,10 +146,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.num_experts = e
         self.gate = nn.Linear(d, e, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(e, i, d))
-        self.w_up = nn.Parameter(torch.empty(e, i, d))
-        self.w_down = nn.Parameter(torch.empty(e, d, i))
+        self.experts = GroupedExperts(e, d, i)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -158,21 +159,12 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
         flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
+        order = flat.argsort(stable=True)  # (token, k) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
         token_of = order // self.top_k
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = order[start : start + n]
-            tok = token_of[start : start + n]
-            start += n
-            h = x[tok]
-            y = (F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)) @ self.w_down[e].T
-            out.index_add_(0, tok, y * weights.flatten()[idx, None])
+        y = self.experts(x[token_of], counts)
+        out = torch.zeros_like(x).index_add_(0, token_of, y * weights.flatten()[order, None])
         return out.reshape(shape), logits
 
 

@@ -1,0 +1,242 @@
+"""Expert parallelism and FSDP2 for the MoE policy on a ``(dp_shard, ep)`` DeviceMesh.
+
+World = ``dp_shard * ep`` ranks, every rank trains on its own slice of the batch.
+Experts are split over ``ep``: rank ``(d, e)`` owns experts ``[e*E/ep, (e+1)*E/ep)``
+and receives, through an all-to-all, every token of its ``ep`` group routed to them
+(uneven splits: the per-expert counts are exchanged first), then sends the outputs
+back with a second all-to-all. Expert weights are FSDP2-sharded over ``dp_shard``
+(a size-1 mesh when ``dp_shard = 1`` keeps them out of the dense sharding); every other
+parameter is FSDP2-sharded over all ranks. gloo on CPU, NCCL on GPU.
+
+Invariants:
+- the result of a step equals the single-process step on the whole batch up to float
+  summation order: each rank's loss is its tokens' share of the global token-level mean
+  (normalised by the global token count) times the world size, because FSDP averages
+  gradients over its mesh (gloo has no pre-multiplied sum to make it add); expert
+  gradients, already summed over the ``ep`` group by the all-to-all's backward and
+  averaged over ``dp_shard``, are divided by ``ep``; the load-balancing loss is built
+  from router statistics all-reduced over the world (and counted once); the gradient
+  norm for clipping is the norm over every shard of every rank;
+- ``full_state_dict`` returns the same names and full tensors as the unsharded model on
+  every rank, so checkpoint staging and comparisons see one model.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+from torch.distributed.nn.functional import all_to_all_single as differentiable_all_to_all
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_shard: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_shard * self.ep
+
+
+@dataclass
+class Meshes:
+    dims: ParallelDims
+    mesh: DeviceMesh
+    """The 2-D ``(dp_shard, ep)`` mesh."""
+    world: DeviceMesh
+    """All ranks, 1-D: the dense parameters' FSDP mesh."""
+
+    @property
+    def ep_group(self):
+        return self.mesh.get_group("ep")
+
+
+def init_distributed(dims: ParallelDims) -> Meshes:
+    """Join the process group torchrun (or the Ray launcher) set up and build the meshes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if dist.get_world_size() != dims.world:
+        raise ValueError(f"world size {dist.get_world_size()} != dp_shard {dims.dp_shard} x ep {dims.ep}")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    mesh = init_device_mesh(device, (dims.dp_shard, dims.ep), mesh_dim_names=("dp_shard", "ep"))
+    world = init_device_mesh(device, (dims.world,), mesh_dim_names=("world",))
+    return Meshes(dims, mesh, world)
+
+
+class ExpertParallel(nn.Module):
+    """This rank's slice of a grouped-experts module, fed by all-to-all.
+
+    ``forward(x, counts)`` has the signature of the wrapped module: ``x`` holds this
+    rank's tokens sorted by global expert, ``counts`` how many go to each global expert.
+    """
+
+    def __init__(self, experts: nn.Module, num_experts: int, ep_rank: int, ep_size: int, group):
+        super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts do not split over ep={ep_size}")
+        self.num_experts, self.ep_size, self.group = num_experts, ep_size, group
+        self.local_experts = num_experts // ep_size
+        lo, hi = ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts
+        local = copy.deepcopy(experts)  # same code and hooks (e.g. an MXFP8 gemm), own parameters
+        for name, p in experts.named_parameters(recurse=False):
+            if p.shape[0] != num_experts:
+                raise ValueError(f"expert parameter {name} {tuple(p.shape)} is not stacked by expert")
+            setattr(local, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+        self.local = local
+        self.first_expert = lo
+
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        counts = torch.as_tensor(counts, dtype=torch.long).reshape(self.ep_size, self.local_experts)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv.view(-1), counts.reshape(-1).contiguous(), group=self.group)
+        send_splits, recv_splits = counts.sum(1).tolist(), recv.sum(1).tolist()
+        got = differentiable_all_to_all(
+            x.new_empty((sum(recv_splits), x.shape[1])), x.contiguous(), recv_splits, send_splits, group=self.group
+        )
+        # ``got`` is ordered (source rank, local expert); the experts want expert-major.
+        seg = recv.reshape(-1)
+        starts = torch.cumsum(seg, 0) - seg
+        order = torch.arange(self.ep_size * self.local_experts).view(self.ep_size, self.local_experts).T.reshape(-1)
+        gather = torch.cat([torch.arange(int(starts[j]), int(starts[j] + seg[j])) for j in order.tolist()] or [torch.zeros(0, dtype=torch.long)])
+        out = self.local(got[gather], recv.sum(0))
+        back = torch.zeros_like(out).index_copy(0, gather, out)
+        return differentiable_all_to_all(
+            x.new_empty((sum(send_splits), out.shape[1])), back, send_splits, recv_splits, group=self.group
+        )
+
+
+def _moe_blocks(model: nn.Module):
+    for layer in model.layers:
+        yield layer, layer.mlp
+
+
+def shard_experts(model: nn.Module, meshes: Meshes) -> None:
+    """Replace every MoE layer's experts by this rank's ``ExpertParallel`` slice."""
+    ep_rank = meshes.mesh.get_local_rank("ep")
+    for _, moe in _moe_blocks(model):
+        moe.experts = ExpertParallel(moe.experts, model.config.num_experts, ep_rank, meshes.dims.ep, meshes.ep_group)
+
+
+def apply_fsdp(model: nn.Module, meshes: Meshes, reshard_after_forward: bool = True) -> None:
+    """FSDP2: experts over ``dp_shard``, each decoder layer and the root over all ranks."""
+    dp = meshes.mesh["dp_shard"]
+    for layer, moe in _moe_blocks(model):
+        fully_shard(moe.experts, mesh=dp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=meshes.world, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=meshes.world, reshard_after_forward=reshard_after_forward)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if ".experts.local." in n]
+
+
+def parallelize(model: nn.Module, meshes: Meshes) -> nn.Module:
+    shard_experts(model, meshes)
+    apply_fsdp(model, meshes)
+    return model
+
+
+def global_load_balancing_loss(model: nn.Module, router_logits: list[torch.Tensor], token_mask: torch.Tensor) -> torch.Tensor:
+    """The model's Switch load-balancing loss over the whole world's tokens, divided by
+    the world size (every rank adds it, the gradient sum counts it once)."""
+    e, k = model.config.num_experts, model.config.num_experts_per_tok
+    logits = torch.cat(router_logits, dim=0)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    sel = probs.topk(k, dim=-1).indices
+    m = token_mask.reshape(-1).float().repeat(len(router_logits))
+    frac = (F.one_hot(sel, e).float() * m[:, None, None]).sum(0)  # (k, E): no gradient
+    prob = (probs * m[:, None]).sum(0)
+    n = m.sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(frac)
+        dist.all_reduce(n)
+        prob = differentiable_all_reduce(prob)
+        world = dist.get_world_size()
+    else:
+        world = 1
+    n = n.clamp(min=1)
+    return e * ((frac / n) * (prob / n)[None, :]).sum() / world
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global L2 norm over every rank's shards (params live on two meshes)."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq += g.detach().double().pow(2).sum().cpu()
+    if dist.is_initialized():
+        dist.all_reduce(sq)
+    norm = sq.sqrt().to(torch.float32)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale.to(p.grad.dtype))
+    return norm
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters under the plain model's names (collective: call on every rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if ".experts.local." in name:
+            moe_experts = name.split(".local.")[0]
+            group = dict(model.named_modules())[moe_experts].group
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts)
+            name = name.replace(".experts.local.", ".experts.")
+        out[name] = t.detach().clone()
+    return out
+
+
+def policy_gradient_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shard: dict[str, torch.Tensor],
+    *,
+    global_tokens: int,
+    clip_eps: float,
+    temperature: float,
+    max_grad_norm: float,
+) -> dict[str, float]:
+    """One PPO-clip step on this rank's ``shard`` (ids, attn, mask, behaviour, adv: the
+    tensors ``Policy.train_step`` builds), normalised by the batch's ``global_tokens``.
+    Returns the global loss (all-reduced) on every rank."""
+    from kiln.shared.model import sequence_logprobs
+
+    from kiln.learner.grpo import ppo_clip_loss
+
+    model.train()
+    logp, routers = sequence_logprobs(model, shard["ids"], shard["attn"], temperature)
+    pg, stats = ppo_clip_loss(logp, shard["behaviour"], shard["adv"], shard["mask"], clip_eps)
+    pg = pg * (stats["tokens"] / max(global_tokens, 1))  # this rank's share of the global mean
+    aux = global_load_balancing_loss(model, routers, shard["attn"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss = world * (pg + model.config.router_aux_loss_coef * aux)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    ep = next((m.ep_size for m in model.modules() if isinstance(m, ExpertParallel)), 1)
+    if ep > 1:
+        for p in expert_parameters(model):
+            if p.grad is not None:
+                p.grad.div_(ep)
+    norm = clip_grad_norm_([p for p in model.parameters()], max_grad_norm)
+    optimizer.step()
+    total = pg.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return {"loss": float(total), "aux_loss": float(aux.detach()) * (dist.get_world_size() if dist.is_initialized() else 1), "grad_norm": float(norm)}

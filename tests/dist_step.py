@@ -1,0 +1,72 @@
+"""One EP + FSDP2 training step under torchrun (driven by tests/test_parallel.py):
+``torchrun --nproc-per-node N tests/dist_step.py DP EP OUT``. Rank 0 writes the global
+loss and the full parameters after the step to OUT."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from kiln.learner.parallel import ParallelDims, full_state_dict, init_distributed, parallelize, policy_gradient_step
+from kiln.shared.model import MoEConfig, MoEForCausalLM
+
+CFG = MoEConfig(
+    vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+)  # fmt: skip
+ROWS = 8
+HPARAMS = {"clip_eps": 0.2, "temperature": 1.0, "max_grad_norm": 1.0}
+
+
+def batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded sequences of uneven lengths, prompt tokens masked out, +-advantages."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(10, 25, (ROWS,), generator=g).tolist()
+    t = max(lengths)
+    b = {
+        "ids": torch.zeros(ROWS, t, dtype=torch.long), "attn": torch.zeros(ROWS, t, dtype=torch.long),
+        "mask": torch.zeros(ROWS, t), "behaviour": torch.zeros(ROWS, t), "adv": torch.zeros(ROWS, 1),
+    }  # fmt: skip
+    for i, n in enumerate(lengths):
+        b["ids"][i, :n] = torch.randint(1, CFG.vocab_size, (n,), generator=g)
+        b["attn"][i, :n] = 1
+        b["mask"][i, n // 2 : n] = 1
+        b["behaviour"][i, :n] = -torch.rand(n, generator=g) * 6
+        b["adv"][i, 0] = 1.0 if i % 2 else -0.5
+    return b
+
+
+def rows(b: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    shard = {k: v[rank::world] for k, v in b.items()}
+    t = int(shard["attn"].sum(1).max())  # each rank pads to its own longest row
+    return {k: (v[:, :t] if v.shape[1] > 1 else v) for k, v in shard.items()}
+
+
+def model() -> MoEForCausalLM:
+    return MoEForCausalLM(CFG).init_weights(0)
+
+
+def optimizer(m) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+
+
+def run(dp: int, ep: int, out: str) -> float:
+    """One rank's part (the environment holds the rendezvous: torchrun or the Ray launcher)."""
+    torch.set_num_threads(1)
+    meshes = init_distributed(ParallelDims(dp_shard=dp, ep=ep))
+    m = parallelize(model(), meshes)
+    b = batch()
+    stats = policy_gradient_step(
+        m, optimizer(m), rows(b, dist.get_rank(), dist.get_world_size()), global_tokens=int(b["mask"].sum()), **HPARAMS
+    )
+    sd = full_state_dict(m)
+    if dist.get_rank() == 0:
+        torch.save({"stats": stats, "state": sd}, out)
+    dist.destroy_process_group()
+    return stats["loss"]
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
