@@ -1,0 +1,132 @@
+"""Learner training-step throughput: tokens/s of the tiny MoE preset, by precision and
+process count, side by side in one run.
+
+    .venv/bin/python bench/learner.py [--steps 8] [--rows 16] [--seq 256]
+
+Each cell runs ``--steps`` policy-gradient steps (``kiln.learner.parallel.
+policy_gradient_step``: forward, PPO-clip + load-balancing loss, backward, clipping,
+AdamW) of the ``configs/tiny.toml`` architecture on a fixed batch of ``--rows``
+sequences of ``--seq`` tokens, after one warm-up step, and reports trained tokens (all
+positions) per second. 1 process, and 2 processes under torchrun with expert
+parallelism (dp_shard 1, ep 2) and with FSDP2 only (dp_shard 2, ep 1), each rank one
+thread. Precisions: fp32, bf16 (parameters in bf16), and MXFP8 (torchao, emulated on
+CPU) where ``kiln.learner.precision`` is present. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(precision: str):
+    from kiln.shared.config import load_config
+    from kiln.shared.model import MoEConfig, MoEForCausalLM
+
+    from kiln.learner.config import LearnerConfig
+
+    arch = load_config(LearnerConfig, ROOT / "configs" / "tiny.toml").model.model_dump()
+    model = MoEForCausalLM(MoEConfig(**arch)).init_weights(0)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    elif precision != "fp32":
+        from kiln.learner.precision import apply_precision
+
+        apply_precision(model, precision)
+    return model
+
+
+def batch(rows: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "ids": torch.randint(1, vocab, (rows, seq), generator=g), "attn": torch.ones(rows, seq, dtype=torch.long),
+        "mask": torch.ones(rows, seq), "behaviour": -torch.rand(rows, seq, generator=g) * 6,
+        "adv": torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -0.5),
+    }  # fmt: skip
+
+
+def cell(precision: str, dp: int, ep: int, steps: int, rows: int, seq: int) -> float:
+    """Tokens/s (whole batch, all ranks) of ``steps`` steps; runs inside each rank."""
+    from kiln.learner.parallel import ParallelDims, init_distributed, parallelize, policy_gradient_step
+
+    torch.set_num_threads(1)
+    model = build(precision)
+    world, rank = 1, 0
+    if dp * ep > 1:
+        meshes = init_distributed(ParallelDims(dp_shard=dp, ep=ep))
+        model = parallelize(model, meshes)
+        world, rank = dist.get_world_size(), dist.get_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    b = batch(rows, seq, model.config.vocab_size)
+    shard = {k: v[rank::world] for k, v in b.items()}
+    kw = {"global_tokens": int(b["mask"].sum()), "clip_eps": 0.2, "temperature": 1.0, "max_grad_norm": 1.0}
+    policy_gradient_step(model, opt, shard, **kw)  # warm-up
+    if world > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        policy_gradient_step(model, opt, shard, **kw)
+    if world > 1:
+        dist.barrier()
+    took = time.perf_counter() - t0
+    if world > 1:
+        dist.destroy_process_group()
+    return rows * seq * steps / took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--rank-cell", nargs=4, help=argparse.SUPPRESS)  # precision dp ep out (inside torchrun)
+    a = ap.parse_args()
+    if a.rank_cell:
+        precision, dp, ep, out = a.rank_cell
+        tps = cell(precision, int(dp), int(ep), a.steps, a.rows, a.seq)
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(out).write_text(json.dumps(tps))
+        return
+    precisions = ["fp32", "bf16"]
+    try:
+        import kiln.learner.precision  # noqa: F401
+
+        precisions.append("mxfp8")
+    except ImportError:
+        print("(kiln.learner.precision not present: no MXFP8 column)", file=sys.stderr)
+    layouts = [(1, 1), (1, 2), (2, 1)]
+    table = {}
+    for precision in precisions:
+        for dp, ep in layouts:
+            if dp * ep == 1:
+                table[precision, dp, ep] = cell(precision, 1, 1, a.steps, a.rows, a.seq)
+                continue
+            with tempfile.TemporaryDirectory() as d:
+                out = Path(d) / "tps.json"
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * ep}", "--standalone",
+                    __file__, "--steps", str(a.steps), "--rows", str(a.rows), "--seq", str(a.seq),
+                    "--rank-cell", precision, str(dp), str(ep), str(out),
+                ]  # fmt: skip
+                subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+                table[precision, dp, ep] = json.loads(out.read_text())
+    print(f"tiny preset, {a.rows} x {a.seq} tokens per step, {a.steps} steps; tokens/s\n")
+    print("| precision | 1 process | 2 processes, EP (dp 1, ep 2) | 2 processes, FSDP2 (dp 2, ep 1) |")
+    print("|---|---|---|---|")
+    for precision in precisions:
+        print(f"| {precision} | " + " | ".join(f"{table[precision, dp, ep]:,.0f}" for dp, ep in layouts) + " |")
+
+
+if __name__ == "__main__":
+    main()
