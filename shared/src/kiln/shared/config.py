@@ -130,11 +130,27 @@ class AlgorithmSettings(Section):
     samples_per_group: int = Field(default=4, ge=1)
     """Rollouts per group (the G of GRPO)."""
     max_staleness: int = Field(default=0, ge=0)
-    """Maximum policy-version lag of a trained token (0 = strictly on-policy)."""
+    """Maximum policy-version lag of a trained token (0 = strictly on-policy): older
+    tokens are masked out of the loss, and a group with no token left is dropped."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; the learner computes logprobs at the same temperature."""
     clip_eps: float = Field(default=0.2, gt=0)
-    """PPO clip range of the importance ratio."""
+    """PPO clip range of the importance ratio (the lower side, and the upper one unless
+    ``clip_eps_high`` is set)."""
+    clip_eps_high: float | None = Field(default=None, gt=0)
+    """Upper clip range (asymmetric "clip-higher"); unset = ``clip_eps``."""
+    loss: Literal["ppo_clip", "decoupled_ppo", "tis"] = "ppo_clip"
+    """Policy loss: ``ppo_clip`` (ratio to the behaviour policy), ``decoupled_ppo`` (clip
+    against the policy the batch starts from, times the behaviour correction), ``tis``
+    (policy gradient with truncated importance weights)."""
+    tis_cap: float = Field(default=2.0, ge=0)
+    """Truncation of the behaviour importance weight (``tis``, and ``decoupled_ppo`` when
+    > 0)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the per-token KL penalty to the reference (the initial) policy; 0 = off
+    (no reference forward pass)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator: ``k1`` = logp - ref, ``k3`` = exp(ref - logp) - (ref - logp) - 1."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

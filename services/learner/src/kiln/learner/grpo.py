@@ -1,18 +1,40 @@
 """GRPO advantages and the token-level, off-policy-corrected policy loss (pure functions).
 
 Advantages are per group: reward minus the group mean (optionally divided by the group
-std). Trajectories flagged ``infra_error`` are excluded before this point, so they
-never shift a group's statistics.
+std), over the group's valid samples only: ``infra_error`` trajectories are excluded
+before this point, so they never shift a group's statistics.
 
-The loss is PPO-clip on the per-token importance ratio pi_theta / pi_behaviour, where
-the behaviour logprob is the one rollout recorded for that very token (a trajectory
-may mix versions), averaged over all trained tokens of the batch (token-level, so
+Every token is corrected with its own behaviour logprob, the one rollout recorded when
+that very token was sampled (a resumed partial trajectory mixes versions), and carries
+its own version, so staleness is judged per token. The loss variants (``loss``):
+
+- ``ppo_clip``: PPO's clipped surrogate on ``r = pi_theta / pi_behaviour``, optionally
+  with an asymmetric upper clip (``clip_eps_high``);
+- ``decoupled_ppo`` (Hilton et al.; AReaL): the clip is taken against the proximal
+  policy (the policy the batch starts from, ``prox``), ``r = pi_theta / pi_prox``, and
+  the surrogate is weighted by the behaviour correction ``pi_prox / pi_behaviour``
+  (detached, truncated at ``tis_cap`` when it is > 0); with ``prox == behaviour`` it is
+  ``ppo_clip``;
+- ``tis``: the plain policy gradient weighted by the truncated importance ratio
+  ``min(pi_theta / pi_behaviour, tis_cap)`` (detached);
+
+plus, when ``kl_coef > 0``, a KL penalty to a frozen reference policy per token with
+the ``k1`` (``logp - ref``) or ``k3`` (``exp(ref - logp) - (ref - logp) - 1``)
+estimator. Every term is a mean over all trained tokens of the batch (token-level, so
 long trajectories are not down-weighted).
+
+Invariant: a token that is not trained (``loss_mask`` 0, or older than
+``max_staleness`` versions) contributes nothing to the loss, to the token count or to
+any gradient (its gradient is exactly zero).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+LOSSES = ("ppo_clip", "decoupled_ppo", "tis")
 
 
 def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-6) -> list[float]:
@@ -25,25 +47,101 @@ def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-
     return a.tolist()
 
 
-def ppo_clip_loss(
+def trained_token_mask(
+    loss_mask: torch.Tensor, token_versions: torch.Tensor, current_version: int, max_staleness: int | None
+) -> tuple[torch.Tensor, int]:
+    """(mask of the tokens to train, number of generated tokens masked as stale). A token
+    of version ``v`` is stale when ``current_version - v > max_staleness``; tokens
+    without a version (``-1``: prompt, observations) are never stale."""
+    mask = loss_mask.bool()
+    if max_staleness is None:
+        return mask, 0
+    stale = (token_versions >= 0) & (current_version - token_versions > max_staleness)
+    return mask & ~stale, int((mask & stale).sum())
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss: str = "ppo_clip"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; expected one of {LOSSES}")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected k1 or k3")
+
+
+def _clipped_surrogate(ratio, adv, lo, hi):
+    return torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+
+
+def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
+    cfg: LossConfig,
+    *,
+    prox_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """All (B, T); ``advantages`` broadcast per token, ``mask`` 1 on trained tokens."""
-    mask = mask.float()
-    ratio = torch.exp(logp - behaviour_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+    """All (B, T); ``advantages`` broadcast per token; ``mask`` 1 on trained tokens."""
+    mask = mask.to(logp.dtype)
     n = mask.sum().clamp(min=1)
+    lo, hi = 1 - cfg.clip_eps, 1 + (cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps)
+    # Masked positions are filled before exp(): a huge logp gap on a prompt token must
+    # not turn into inf * 0 = nan in the loss or its gradient.
+    keep = mask.bool()
+    behaviour_logp = torch.where(keep, behaviour_logp, logp.detach())
+    stats: dict[str, float] = {}
+    if cfg.loss == "ppo_clip":
+        ratio = torch.exp(logp - behaviour_logp)
+        per_token = -_clipped_surrogate(ratio, advantages, lo, hi)
+        clipped = (ratio < lo) | (ratio > hi)
+    elif cfg.loss == "decoupled_ppo":
+        if prox_logp is None:
+            raise ValueError("decoupled_ppo needs the proximal policy's logprobs")
+        prox_logp = torch.where(keep, prox_logp, logp.detach())
+        ratio = torch.exp(logp - prox_logp)
+        weight = torch.exp(prox_logp - behaviour_logp).detach()
+        if cfg.tis_cap > 0:
+            stats["tis_capped_frac"] = float(((weight > cfg.tis_cap).to(mask.dtype) * mask).sum() / n)
+            weight = weight.clamp(max=cfg.tis_cap)
+        per_token = -weight * _clipped_surrogate(ratio, advantages, lo, hi)
+        clipped = (ratio < lo) | (ratio > hi)
+        stats["behaviour_weight_mean"] = float((weight * mask).sum() / n)
+    else:  # tis
+        ratio = torch.exp(logp - behaviour_logp)
+        weight = ratio.detach()
+        stats["tis_capped_frac"] = float(((weight > cfg.tis_cap).to(mask.dtype) * mask).sum() / n)
+        weight = weight.clamp(max=cfg.tis_cap)
+        per_token = -weight * advantages * logp
+        clipped = weight >= cfg.tis_cap
     loss = (per_token * mask).sum() / n
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
+        d = torch.where(keep, ref_logp, logp.detach()) - logp
+        kl = -d if cfg.kl_estimator == "k1" else torch.exp(d) - d - 1
+        kl_mean = (kl * mask).sum() / n
+        loss = loss + cfg.kl_coef * kl_mean
+        stats["kl"] = float(kl_mean.detach())
     with torch.no_grad():
-        stats = {
-            "ratio_mean": float((ratio * mask).sum() / n),
-            "clip_frac": float((((ratio - 1).abs() > clip_eps).float() * mask).sum() / n),
-            "tokens": float(mask.sum()),
-        }
+        stats.update(
+            ratio_mean=float((ratio * mask).sum() / n),
+            clip_frac=float((clipped.to(mask.dtype) * mask).sum() / n),
+            tokens=float(mask.sum()),
+        )
     return loss, stats
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``policy_loss`` with the ``ppo_clip`` variant and a symmetric clip."""
+    return policy_loss(logp, behaviour_logp, advantages, mask, LossConfig(clip_eps=clip_eps))

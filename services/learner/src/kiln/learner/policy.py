@@ -3,8 +3,9 @@
 A fresh run trains the byte-level BPE tokenizer on the task suite (offline, under a
 second), initialises the MoE from ``run.seed`` and stages it as version 0. Every
 ``train_step`` recomputes the current logprobs of exactly the tokens rollout generated
-and applies the clipped, importance-weighted loss of ``grpo.py`` plus the MoE
-load-balancing loss.
+and applies the configured off-policy-corrected loss of ``grpo.py`` (tokens older than
+``max_staleness`` masked out; proximal and reference logprobs computed without grad
+only for the variants that need them) plus the MoE load-balancing loss.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kiln.shared.tasks import TaskSuite
 from kiln.shared.tools import tool_schemas
 
 from kiln.learner.config import LearnerConfig
-from kiln.learner.grpo import ppo_clip_loss
+from kiln.learner.grpo import LossConfig, policy_loss, trained_token_mask
 
 
 def tokenizer_corpus(suite: TaskSuite, repeats: int) -> list[str]:
@@ -47,6 +48,8 @@ class StepStats:
     ratio_mean: float
     clip_frac: float
     seconds: float
+    stale_tokens: int = 0
+    kl: float = 0.0
 
 
 class _Warmup:
@@ -76,30 +79,52 @@ class Policy:
         a = cfg.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _Warmup(cfg.learner.lr_warmup_steps))
+        self._reference: MoEForCausalLM | None = None
 
     def stage(self, folder: Path) -> Path:
         return save_checkpoint(self.model, folder, self.tokenizer)
 
-    def train_step(self, batch: list[tuple[Trajectory, float]]) -> StepStats:
+    def loss_config(self) -> LossConfig:
+        a = self.cfg.algorithm
+        return LossConfig(
+            loss=a.loss, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high, tis_cap=a.tis_cap,
+            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+        )  # fmt: skip
+
+    def train_step(self, batch: list[tuple[Trajectory, float]], version: int | None = None) -> StepStats:
+        """One optimizer step on ``batch`` (trajectory, advantage); ``version`` is the
+        policy version being trained (tokens more than ``max_staleness`` older are
+        masked out; None trains every generated token)."""
         t0 = time.monotonic()
         a = self.cfg.algorithm
         n = max(len(t.token_ids) for t, _ in batch)
         pad = special_id(self.tokenizer, chat.PAD)
         ids = torch.full((len(batch), n), pad, dtype=torch.long)
         attn = torch.zeros((len(batch), n), dtype=torch.long)
-        mask = torch.zeros((len(batch), n))
+        loss_mask = torch.zeros((len(batch), n), dtype=torch.long)
+        versions = torch.full((len(batch), n), -1, dtype=torch.long)
         behaviour = torch.zeros((len(batch), n))
         adv = torch.zeros((len(batch), 1))
         for i, (t, advantage) in enumerate(batch):
             k = len(t.token_ids)
             ids[i, :k] = torch.tensor(t.token_ids)
             attn[i, :k] = 1
-            mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float)
+            loss_mask[i, :k] = torch.tensor(t.loss_mask)
+            versions[i, :k] = torch.tensor(t.token_versions)
             behaviour[i, :k] = torch.tensor(t.logprobs)
             adv[i, 0] = advantage
+        mask, stale = trained_token_mask(loss_mask, versions, version if version is not None else 0, a.max_staleness if version is not None else None)
+        cfg = self.loss_config()
+        prox = ref = None
+        with torch.no_grad():
+            if cfg.loss == "decoupled_ppo":  # the policy this batch starts from
+                self.model.eval()
+                prox, _ = sequence_logprobs(self.model, ids, attn, a.temperature)
+            if cfg.kl_coef > 0:
+                ref, _ = sequence_logprobs(self.reference(), ids, attn, a.temperature)
         self.model.train()
         logp, routers = sequence_logprobs(self.model, ids, attn, a.temperature)
-        pg, stats = ppo_clip_loss(logp, behaviour, adv, mask, a.clip_eps)
+        pg, stats = policy_loss(logp, behaviour, adv, mask.float(), cfg, prox_logp=prox, ref_logp=ref)
         aux = self.model.load_balancing_loss(routers, attn)
         loss = pg + self.model.config.router_aux_loss_coef * aux
         self.optimizer.zero_grad(set_to_none=True)
@@ -114,4 +139,14 @@ class Policy:
             ratio_mean=stats["ratio_mean"],
             clip_frac=stats["clip_frac"],
             seconds=time.monotonic() - t0,
+            stale_tokens=stale,
+            kl=stats.get("kl", 0.0),
         )
+
+    def reference(self) -> MoEForCausalLM:
+        """The frozen initial policy (the KL anchor), rebuilt from the run's seed."""
+        if self._reference is None:
+            self._reference = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed).eval()
+            for p in self._reference.parameters():
+                p.requires_grad_(False)
+        return self._reference

@@ -6,8 +6,9 @@ Invariants:
   dropped; a learner that dies before that gets every such message redelivered;
 - a group enters a batch only when all its samples are scored; ``infra_error``
   trajectories are excluded from its advantage statistics, and a group with no valid
-  sample, or whose oldest token is older than ``max_staleness`` versions, is dropped
-  with that reason instead of trained;
+  sample, or whose every generated token is older than ``max_staleness`` versions, is
+  dropped with that reason instead of trained (older tokens of a trained group are
+  masked out of the loss, token by token);
 - the version a step produces is ``step + 1``; the trajectories it trained are stamped
   with it in the database (``trained_version``);
 - the learner's whole state after a step is committed to a checkpoint (``state.py``)
@@ -119,9 +120,11 @@ class Trainer:
             await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
             return
         versions = [v for s in valid for v in s.trajectory.generated_versions()]
-        lag = self.controller.published_version - min(versions) if versions else 0
+        # Stale tokens are masked out of the loss one by one; a group is dropped only
+        # when none of its tokens is recent enough to train.
+        lag = self.controller.published_version - max(versions) if versions else 0
         if lag > self.cfg.algorithm.max_staleness:
-            await self._drop(gid, "stale", f"oldest token is {lag} versions old (max {self.cfg.algorithm.max_staleness})")
+            await self._drop(gid, "stale", f"newest token is {lag} versions old (max {self.cfg.algorithm.max_staleness})")
             return
         self.ready.append(gid)
 
@@ -160,7 +163,7 @@ class Trainer:
             links=[trace.Link(trace.get_current_span(extract_context(d.headers)).get_span_context()) for _, d in used],
             attributes={"step": self.step, "policy.version": version, "trajectories": len(batch)},
         ):
-            stats = await asyncio.to_thread(self.policy.train_step, batch)
+            stats = await asyncio.to_thread(self.policy.train_step, batch, self.step)
             self.step += 1
             committed = None
             if self.checkpointer is not None:
