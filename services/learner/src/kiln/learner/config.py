@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from kiln.shared.config import (
@@ -28,6 +30,16 @@ class LearnerSettings(Section):
     end the run with its reason, not re-dispatch forever."""
     tokenizer_corpus_repeats: int = 4
     """Times the task suite is repeated in the tokenizer's training corpus."""
+    precision: Literal["fp32", "bf16", "mxfp8", "fp8_rowwise"] = "fp32"
+    """Training precision: ``mxfp8`` runs the attention and expert GEMMs in MXFP8 through
+    torchao (fp32 master weights), ``fp8_rowwise`` is the Hopper option, ``bf16`` trains
+    bf16 parameters (see ``kiln.learner.precision``)."""
+    precision_kernel: Literal["emulated", "auto"] = "emulated"
+    """torchao kernels for ``mxfp8``: ``emulated`` (any device, the CPU path) or ``auto``
+    (torchao's CUDA kernels, SM100+)."""
+    keep_high_precision: list[str] = Field(default_factory=lambda: ["*.mlp.gate", "embed_tokens", "lm_head"])
+    """Module-name patterns (fnmatch) never converted to low precision: by default the
+    router, the embeddings and the output head."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up over this many optimizer steps (0 = none)."""
     checkpoint_dir: str = ""

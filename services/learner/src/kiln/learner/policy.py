@@ -26,6 +26,7 @@ from kiln.shared.tools import tool_schemas
 
 from kiln.learner.config import LearnerConfig
 from kiln.learner.grpo import LossConfig, policy_loss, trained_token_mask
+from kiln.learner.precision import apply_precision
 
 
 def tokenizer_corpus(suite: TaskSuite, repeats: int) -> list[str]:
@@ -76,6 +77,10 @@ class Policy:
                 vocab_size=self.tokenizer.get_vocab_size(), eos_token_id=special_id(self.tokenizer, chat.EOS), **arch
             )
         ).init_weights(cfg.run.seed)
+        lc = cfg.learner
+        self.precision = apply_precision(
+            self.model, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
+        )
         a = cfg.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _Warmup(cfg.learner.lr_warmup_steps))
@@ -98,6 +103,8 @@ class Policy:
         t0 = time.monotonic()
         a = self.cfg.algorithm
         n = max(len(t.token_ids) for t, _ in batch)
+        if self.cfg.learner.precision in ("mxfp8", "fp8_rowwise"):
+            n = -(-n // 32) * 32  # MX blocks run along the token dimension in the backward
         pad = special_id(self.tokenizer, chat.PAD)
         ids = torch.full((len(batch), n), pad, dtype=torch.long)
         attn = torch.zeros((len(batch), n), dtype=torch.long)

@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from kiln.shared.model.checkpoint import plain
+
 log = logging.getLogger("kiln.learner.state")
 # A single-process learner saves without a process group on purpose (``no_dist``); DCP
 # still warns about it on every save.
@@ -87,7 +89,7 @@ class Checkpointer:
         meta.torch_rng = _torch_rng()
         meta.python_rng = _jsonable(random.getstate())
         msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd, "scheduler": scheduler.state_dict() if scheduler else {}}
+        state = {"model": _plain(msd), "optim": _plain(osd), "scheduler": scheduler.state_dict() if scheduler else {}}
         target = self._dir(meta.step)
         shutil.rmtree(target, ignore_errors=True)
         if asynchronous:
@@ -121,13 +123,24 @@ class Checkpointer:
     def load(self, model, optimizer, scheduler, meta: Meta) -> None:
         """Restore ``meta``'s checkpoint into the live objects (in place)."""
         msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd, "scheduler": scheduler.state_dict() if scheduler else {}}
+        # Loaded in place into the live tensors (under any precision wrapper).
+        state = {"model": _plain(msd), "optim": _plain(osd), "scheduler": scheduler.state_dict() if scheduler else {}}
         dcp.load(state, checkpoint_id=str(self._dir(meta.step)), **_dist())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         if scheduler:
             scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(torch.tensor(meta.torch_rng, dtype=torch.uint8))
         random.setstate(_tuple(meta.python_rng))
+
+
+def _plain(tree):
+    """Precision wrappers (torchao's MXFP8 weights) replaced by the tensors they hold, so
+    DCP writes and reads plain tensors."""
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_plain(v) for v in tree]
+    return plain(tree) if isinstance(tree, torch.Tensor) else tree
 
 
 def _dist() -> dict:

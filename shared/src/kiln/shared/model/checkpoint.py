@@ -19,10 +19,17 @@ from kiln.shared.model.moe import MoEConfig, MoEForCausalLM
 WEIGHTS_FILE = "model.safetensors"
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor under a training wrapper (torchao's MXFP8/FP8 weight
+    subclasses keep it as ``_data``); plain tensors unchanged."""
+    inner = getattr(t, "_data", None)
+    return inner if isinstance(inner, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) else t
+
+
 def to_hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        t = t.detach().contiguous()
+        t = plain(t).detach().contiguous()
         if name.startswith("rotary."):
             continue
         if name == "lm_head.weight":
