@@ -52,11 +52,11 @@ def optimizer(m) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 
 
-def run(dp: int, ep: int, out: str) -> float:
+def run(dp: int, ep: int, out: str, dispatch: str = "hp") -> float:
     """One rank's part (the environment holds the rendezvous: torchrun or the Ray launcher)."""
     torch.set_num_threads(1)
     meshes = init_distributed(ParallelDims(dp_shard=dp, ep=ep))
-    m = parallelize(model(), meshes)
+    m = parallelize(model(), meshes, dispatch)
     b = batch()
     stats = policy_gradient_step(
         m, optimizer(m), rows(b, dist.get_rank(), dist.get_world_size()), global_tokens=int(b["mask"].sum()), **HPARAMS
@@ -69,4 +69,4 @@ def run(dp: int, ep: int, out: str) -> float:
 
 
 if __name__ == "__main__":
-    run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
