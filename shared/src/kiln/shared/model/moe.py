@@ -1,10 +1,24 @@
-"""A decoder-only Mixture-of-Experts transformer with the Qwen3-MoE layout.
+"""A decoder-only Mixture-of-Experts transformer in three HF families.
 
-Same maths as HF ``Qwen3MoeForCausalLM``: RMSNorm (fp32 statistics), GQA attention with
-per-head q/k RMSNorm and rotate-half RoPE, a softmax router with top-k (optionally
-renormalised) over SwiGLU experts, and the Switch-style load-balancing loss. Experts
-are stored stacked (``w_gate``/``w_up``: (E, I, D), ``w_down``: (E, D, I)) so that a
-grouped GEMM can run them; ``checkpoint.py`` maps them to HF's per-expert names.
+``family`` picks the exact maths and on-disk layout of one HF architecture:
+
+- ``qwen3_moe`` (``Qwen3MoeForCausalLM``, the default): per-head q/k RMSNorm, top-k
+  renormalised only if ``norm_topk_prob``, routing weights cast to the activation dtype;
+- ``mixtral`` (``MixtralForCausalLM``, also what sparse upcycling of a Llama produces):
+  no q/k norm, top-k always renormalised, routing weights kept fp32 for the product;
+- ``qwen2_moe`` (``Qwen2MoeForCausalLM``): no q/k norm, optional q/k/v bias, and an
+  always-on shared SwiGLU expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Common to all: RMSNorm with fp32 statistics, GQA attention with rotate-half RoPE, a
+softmax (fp32) router over SwiGLU experts, the Switch-style load-balancing loss.
+Routed experts live stacked in ``GroupedExperts`` (``experts.py``; grouped GEMMs);
+``SparseMoE`` does the routing and token permutation around it. ``checkpoint.py`` maps
+parameters to each family's HF names; nothing else knows them.
+
+Invariants: in-memory parameter names do not depend on the family (``layers.N.mlp.gate``,
+``layers.N.mlp.experts.w_*``, ``layers.N.mlp.shared_expert.*``), so the learner's
+parallel/precision code sees one layout; ``MoEConfig`` only accepts what its family's
+HF model (and so vLLM) can load, and ``from_hf`` refuses what our maths does not do.
 
 Rollout and learner share this module, and ``token_logprobs`` is the single definition
 of a token's logprob under the policy: rollout records it while sampling, the learner
@@ -13,13 +27,29 @@ recomputes it for the importance ratio.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.shared.model.experts import GroupedExperts
+
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+}  # fmt: skip
+
+# transformers' defaults for keys a config.json may omit (configuration_<family>.py).
+_HF_DEFAULTS = {
+    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False, num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=32768),
+    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, norm_topk_prob=True, num_local_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=4096 * 32),
+    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False, num_experts=60,
+                      num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      qkv_bias=True, max_position_embeddings=32768),
+}  # fmt: skip
 
 
 @dataclass
@@ -41,35 +71,106 @@ class MoEConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    family: str = "qwen3_moe"
+    """One of ``FAMILIES`` (see the module docstring)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the Qwen2-MoE shared expert; 0 = none. Needs ``family="qwen2_moe"``."""
+    qkv_bias: bool = False
+    """Bias on q/k/v projections (Qwen2-MoE's ``qkv_bias``). Needs ``family="qwen2_moe"``."""
     extra: dict = field(default_factory=dict)
+    """Written verbatim into config.json by ``to_hf`` (over the computed keys)."""
+
+    def __post_init__(self):
+        # Refuse, at construction, models that no HF architecture (hence vLLM) could load.
+        if self.family not in FAMILIES:
+            raise ValueError(f"unsupported model family {self.family!r} (expected one of {FAMILIES})")
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("mixtral always renormalises the top-k router weights: norm_topk_prob must be True")
+        if self.family != "qwen2_moe" and (self.shared_expert_intermediate_size or self.qkv_bias):
+            raise ValueError(
+                "a shared expert / qkv_bias exists only in the qwen2_moe layout (Qwen2MoeForCausalLM), "
+                f"not in {self.family}"
+            )
+        if self.family == "qwen2_moe":
+            if self.shared_expert_intermediate_size <= 0:
+                raise ValueError("qwen2_moe needs shared_expert_intermediate_size > 0 (its HF model always has one)")
+            if self.head_dim * self.num_attention_heads != self.hidden_size:
+                raise ValueError("qwen2_moe derives head_dim as hidden_size // num_attention_heads (vLLM does too)")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3_moe"
 
     def to_hf(self) -> dict:
-        """config.json of an HF ``Qwen3MoeForCausalLM`` with these dimensions."""
-        d = asdict(self)
-        d.pop("extra")
-        d.update(
-            architectures=["Qwen3MoeForCausalLM"],
-            model_type="qwen3_moe",
-            intermediate_size=self.moe_intermediate_size * self.num_experts_per_tok,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            hidden_act="silu",
-            attention_bias=False,
-            attention_dropout=0.0,
-            output_router_logits=False,
-            use_sliding_window=False,
-            initializer_range=0.02,
-            torch_dtype="float32",
-            **self.extra,
-        )
+        """config.json of this family's HF model with these dimensions."""
+        d = dict(
+            architectures=[ARCHITECTURES[self.family]], model_type=self.family,
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, num_experts_per_tok=self.num_experts_per_tok,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            # transformers 5 reads rope_parameters, older readers rope_theta.
+            rope_theta=self.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            router_aux_loss_coef=self.router_aux_loss_coef, tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, hidden_act="silu",
+            attention_dropout=0.0, output_router_logits=False, initializer_range=0.02, torch_dtype="float32",
+            sliding_window=None,
+        )  # fmt: skip
+        if self.family == "mixtral":
+            # Mixtral's intermediate_size *is* the expert width.
+            d.update(
+                num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size, router_jitter_noise=0.0
+            )
+        else:
+            d.update(
+                num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                # intermediate_size is the dense-MLP width of mlp_only_layers (none here).
+                intermediate_size=self.moe_intermediate_size * self.num_experts_per_tok,
+            )  # fmt: skip
+        if self.family == "qwen3_moe":
+            d.update(attention_bias=False)
+        if self.family == "qwen2_moe":
+            d.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size, qkv_bias=self.qkv_bias)
+        d.update(self.extra)
         return d
 
     @classmethod
     def from_hf(cls, d: dict) -> MoEConfig:
-        names = set(cls.__dataclass_fields__) - {"extra"}
-        if d.get("model_type") not in (None, "qwen3_moe"):
-            raise ValueError(f"unsupported model_type {d.get('model_type')!r} (expected qwen3_moe)")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """From an HF config.json of any of ``FAMILIES`` (transformers 4 or 5 layout);
+        raises ``ValueError`` for a model type or feature our maths does not reproduce."""
+        kind = d.get("model_type") or "qwen3_moe"
+        if kind not in FAMILIES:
+            raise ValueError(f"unsupported model_type {kind!r} (expected one of {FAMILIES})")
+        d = {**_HF_DEFAULTS[kind], **{k: v for k, v in d.items() if v is not None or k not in _HF_DEFAULTS[kind]}}
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported RoPE {rope} (only the default rotary embedding is implemented)")
+        d["rope_theta"] = rope.get("rope_theta", d["rope_theta"])
+        # Mixtral has no use_sliding_window switch: a set sliding_window is live there.
+        sliding = bool(d.get("use_sliding_window")) or (kind == "mixtral" and d.get("sliding_window") is not None)
+        unsupported = {
+            "hidden_act": d.get("hidden_act", "silu") != "silu",
+            "sliding window": sliding,
+            "dense layers (decoder_sparse_step/mlp_only_layers)": d.get("decoder_sparse_step", 1) != 1
+            or bool(d.get("mlp_only_layers")),
+            "attention_bias": bool(d.get("attention_bias")),
+            "router_jitter_noise": bool(d.get("router_jitter_noise")),
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"{kind} config uses features this model does not implement: {bad}")
+        if kind == "mixtral":
+            d["num_experts"] = d["num_local_experts"]
+            d["moe_intermediate_size"] = d["intermediate_size"]
+        elif "num_local_experts" in d:  # transformers 5 writes Qwen's num_experts under this alias
+            d["num_experts"] = d["num_local_experts"]
+        if kind != "qwen2_moe":
+            d.pop("shared_expert_intermediate_size", None)
+            d.pop("qkv_bias", None)
+        d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        names = set(cls.__dataclass_fields__) - {"extra", "family"}
+        return cls(family=kind, **{k: v for k, v in d.items() if k in names})
 
 
 class RMSNorm(nn.Module):
@@ -107,12 +208,13 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.q_proj = nn.Linear(d, self.h * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        # Qwen3 normalises each head's q and k; Mixtral (and Llama) do not.
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache: list | None, mask: torch.Tensor | None):
         b, t, _ = x.shape
@@ -139,16 +241,42 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.hd))
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's dense SwiGLU expert that every token passes through."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts. ``forward`` returns the output and the router logits."""
+    """Top-k routed SwiGLU experts (plus the optional shared expert). ``forward`` returns
+    the output and the router logits.
+
+    Routing and permutation live here, the expert GEMMs in ``self.experts``, which is
+    called as ``experts(x_sorted, counts)``: an expert-parallel wrapper may replace it.
+    """
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_experts = e
+        # HF Qwen casts the routing weights to the activation dtype before the product,
+        # Mixtral multiplies by the fp32 weights: the same in fp32, not in bf16.
+        self.fp32_weights = cfg.family == "mixtral"
         self.gate = nn.Linear(d, e, bias=False)
         self.experts = GroupedExperts(e, d, i)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(d, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(d, 1, bias=False)
+        else:
+            self.shared_expert = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -158,13 +286,17 @@ class SparseMoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        if not self.fp32_weights:
+            weights = weights.to(x.dtype)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, k) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         token_of = order // self.top_k
         y = self.experts(x[token_of], counts)
-        out = torch.zeros_like(x).index_add_(0, token_of, y * weights.flatten()[order, None])
+        y = (y * weights.flatten()[order, None]).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, y)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape), logits
 
 
