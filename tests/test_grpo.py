@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ def test_group_advantages():
     assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, [1, -1, -1, 1]))
     assert group_advantages([0.0, 0.0, 0.0], std_normalize=True) == [0.0, 0.0, 0.0]
     assert group_advantages([], std_normalize=False) == []
+    # rewards of valid samples only: a missing score must not become a group-wide nan
+    with pytest.raises(ValueError, match="non-finite"):
+        group_advantages([1.0, float("nan")], std_normalize=False)
 
 
 def test_ppo_clip_loss_by_hand():
@@ -146,3 +151,164 @@ def test_policy_step_with_each_variant_and_stale_tokens(variant):
     stats = policy.train_step([(traj(0, [1, 1, 4, 4]), 1.0), (traj(1, [4, 4, 4]), -1.0)], version=4)
     assert stats.stale_tokens == 2 and stats.tokens == 5
     assert stats.kl >= 0 and any(not torch.equal(a, b) for a, b in zip(before, policy.model.parameters()))
+
+
+def test_tis_with_proximal_weights_and_no_cap():
+    # the weight uses prox when given: token 1, A = +1: w = 0.4 / 0.5 = 0.8 -> -0.8 * log 0.6;
+    # token 2, A = -1: w = 0.3 / 0.1 = 3, tis_cap 0 = no truncation -> +3 * log 0.5.
+    # Gradients (mean over 2 tokens): -0.8 / 2 and +3 / 2.
+    new = lp(0.6, 0.5).requires_grad_()
+    loss, stats = policy_loss(
+        new, lp(0.5, 0.1), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), LossConfig(loss="tis", tis_cap=0.0),
+        prox_logp=lp(0.4, 0.3),
+    )  # fmt: skip
+    assert math.isclose(loss.item(), (-0.8 * math.log(0.6) + 3 * math.log(0.5)) / 2, rel_tol=1e-6)
+    loss.backward()
+    assert torch.allclose(new.grad, torch.tensor([[-0.4, 1.5]]))
+    assert "tis_capped_frac" not in stats and stats["clip_frac"] == 0.0
+    # ratio_mean is pi_theta / pi_behaviour: (0.6/0.5 + 0.5/0.1) / 2 = 3.1
+    assert stats["ratio_mean"] == pytest.approx(3.1)
+
+
+def test_decoupled_ppo_without_cap():
+    # behaviour 0.1, prox 0.4: weight 4 kept whole (tis_cap 0); new 0.44: r = 1.1 inside
+    # the clip, A = +1 -> loss -4 * 1.1 = -4.4, gradient d/dlogp = -4 * r = -4.4
+    new = lp(0.44).requires_grad_()
+    cfg = LossConfig(loss="decoupled_ppo", tis_cap=0.0)
+    loss, stats = policy_loss(new, lp(0.1), torch.tensor([[1.0]]), torch.ones(1, 1), cfg, prox_logp=lp(0.4))
+    loss.backward()
+    assert loss.item() == pytest.approx(-4.4) and new.grad.item() == pytest.approx(-4.4)
+    assert stats["behaviour_weight_mean"] == pytest.approx(4.0) and stats["ratio_mean"] == pytest.approx(1.1)
+
+
+def test_kl_gradient_by_hand_and_only_logp_is_differentiated():
+    # k3 = e^d - d - 1 with d = ref - logp: dk3/dlogp = 1 - e^d; ref 0.5, new 0.25: 1 - 2 = -1.
+    # k1 = logp - ref: dk1/dlogp = 1. Behaviour, prox and ref get no gradient.
+    for est, want in (("k1", 1.0), ("k3", -1.0)):
+        new, ref, beh = lp(0.25).requires_grad_(), lp(0.5).requires_grad_(), lp(0.25).requires_grad_()
+        cfg = LossConfig(loss="decoupled_ppo", kl_coef=1.0, kl_estimator=est)
+        loss, _ = policy_loss(new, beh, torch.zeros(1, 1), torch.ones(1, 1), cfg, prox_logp=beh, ref_logp=ref)
+        loss.backward()
+        assert new.grad.item() == pytest.approx(want), est
+        assert ref.grad is None and beh.grad is None
+
+
+def test_untrained_positions_never_leak_nan():
+    # -inf logprobs (a pad or prompt position) and a huge behaviour gap on masked tokens:
+    # the loss stays finite and their gradient is exactly zero
+    behaviour = torch.tensor([[-float("inf"), -1.0, 80.0]])
+    for variant in ("ppo_clip", "decoupled_ppo", "tis"):
+        new = torch.tensor([[-float("inf"), -0.5, -100.0]], requires_grad=True)
+        mask = torch.tensor([[0.0, 1.0, 0.0]])
+        cfg = LossConfig(loss=variant, kl_coef=0.5)
+        loss, _ = policy_loss(new, behaviour, torch.tensor([[1.0]]), mask, cfg, prox_logp=behaviour, ref_logp=behaviour)
+        loss.backward()
+        assert torch.isfinite(loss), variant
+        assert new.grad[0, 0] == 0 and new.grad[0, 2] == 0 and torch.isfinite(new.grad[0, 1]), (variant, new.grad)
+
+
+def test_trained_token_mask_edges():
+    versions = torch.tensor([[-1, 0, 2, 4, 5]])
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1]])
+    # max_staleness None: nothing is stale; 0: only the current version trains; a version -1
+    # token is never stale (its loss_mask decides)
+    mask, stale = trained_token_mask(loss_mask, versions, 5, None)
+    assert mask.all() and stale == 0
+    mask, stale = trained_token_mask(loss_mask, versions, 5, 0)
+    assert mask.tolist() == [[True, False, False, False, True]] and stale == 3
+    mask, stale = trained_token_mask(loss_mask, versions, 5, 3)  # 5 - 2 = 3 is not > 3
+    assert mask.tolist() == [[True, False, True, True, True]] and stale == 1
+    # a token not in the loss is not counted as stale
+    mask, stale = trained_token_mask(torch.tensor([[0, 0, 1, 1, 1]]), versions, 5, 0)
+    assert stale == 2
+
+
+def test_loss_config_is_validated():
+    for bad in (dict(loss="reinforce"), dict(kl_estimator="k2"), dict(clip_eps=0.0), dict(clip_eps_high=-0.1), dict(kl_coef=-1.0)):
+        with pytest.raises(ValueError):
+            LossConfig(**bad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reference_is_version_zero(precision):
+    """The KL reference is the initial policy, in the policy's own precision: before any
+    update the policy's logprobs equal the reference's and the first step's KL is 0."""
+    from kiln.shared.config import load_config
+    from kiln.shared.contracts import Trajectory, TrajectoryStatus
+    from kiln.shared.tasks import load_suite
+
+    from kiln.learner.config import LearnerConfig
+    from kiln.learner.policy import Policy
+
+    overrides = [f"learner.precision={precision}", "algorithm.kl_coef=0.1", "algorithm.max_staleness=1", "model.hidden_size=32",
+                 "model.num_hidden_layers=1", "learner.tokenizer_corpus_repeats=1"]  # fmt: skip
+    policy = Policy(load_config(LearnerConfig, None, overrides), load_suite("builtin"))
+    t = Trajectory(
+        run_id="r", trajectory_id="t", group_id="g", task_id="t", sample_index=0, dispatch_version=0,
+        status=TrajectoryStatus.FINISHED, token_ids=list(range(5, 25)), logprobs=[0.0] * 8 + [-3.0] * 12,
+        token_versions=[-1] * 8 + [0] * 12, loss_mask=[0] * 8 + [1] * 12,
+    )  # fmt: skip
+    batch = [(t, 1.0), (t.model_copy(update={"sample_index": 1}), -1.0)]
+    assert policy.train_step(batch, version=0).kl == 0.0
+    assert policy.train_step(batch, version=1).kl > 0  # the policy has moved away from it
+
+
+def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
+    """The trainer's batch: an ``infra_error`` sample is neither trained nor part of its
+    group's statistics, and ``train_step`` gets the version it trains from."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from opentelemetry import trace
+
+    from kiln.shared import contracts as c
+    from kiln.shared.config import load_config
+
+    from kiln.learner.config import LearnerConfig
+    from kiln.learner.policy import StepStats
+    from kiln.learner.trainer import Trainer
+
+    cfg = load_config(LearnerConfig, None, ["algorithm.groups_per_step=1", "algorithm.samples_per_group=3"])
+    calls = []
+
+    class FakePolicy:
+        world = None
+
+        def train_step(self, batch, version=None):
+            calls.append(([(t.trajectory_id, adv) for t, adv in batch], version))
+            return StepStats(loss=0.0, aux_loss=0.0, tokens=1, ratio_mean=1.0, clip_frac=0.0, seconds=0.0)
+
+        def stage(self, folder):
+            return folder
+
+    class FakeDelivery:
+        headers: dict = {}
+
+        async def ack(self):
+            pass
+
+    async def noop(*args, **kwargs):
+        pass
+
+    controller = SimpleNamespace(
+        published_version=2, dropped_since_step=0, mark_trained=noop, step_recorded=lambda v: None, drop=noop
+    )
+    ctx = SimpleNamespace(config=cfg, bus=SimpleNamespace(publish=noop), tracer=trace.get_tracer("test"))
+
+    def scored(i, reward, infra=None):
+        t = c.Trajectory(
+            run_id=cfg.run.id, trajectory_id=f"t{i}", group_id="g", task_id="t", sample_index=i, dispatch_version=2,
+            status=c.TrajectoryStatus.FINISHED, token_ids=[1, 2], logprobs=[0.0, -1.0], token_versions=[-1, 2],
+            loss_mask=[0, 1],
+        )  # fmt: skip
+        return c.ScoredTrajectory(trajectory=t, reward=reward, passed=reward > 0, infra_error=infra)
+
+    trainer = Trainer(ctx, controller, FakePolicy())
+    trainer.step = 2
+    trainer.staging = Path(tempfile.mkdtemp())
+    trainer.pending = {"g": {f"t{i}": (s, FakeDelivery()) for i, s in enumerate([scored(0, 1.0), scored(1, 0.0, "pool exhausted"), scored(2, 0.0)])}}
+    trainer.ready = ["g"]
+    asyncio.run(trainer._train())
+    # valid rewards 1, 0 -> mean 0.5 -> advantages +0.5, -0.5; t1 (infra, reward 0 placeholder)
+    # would have made the mean 1/3
+    assert calls == [([("t0", 0.5), ("t2", -0.5)], 2)]

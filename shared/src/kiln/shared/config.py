@@ -144,8 +144,8 @@ class AlgorithmSettings(Section):
     against the policy the batch starts from, times the behaviour correction), ``tis``
     (policy gradient with truncated importance weights)."""
     tis_cap: float = Field(default=2.0, ge=0)
-    """Truncation of the behaviour importance weight (``tis``, and ``decoupled_ppo`` when
-    > 0)."""
+    """Truncation of the behaviour importance weight: ``min(w, tis_cap)`` (``tis`` and
+    ``decoupled_ppo``); 0 = no truncation."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the per-token KL penalty to the reference (the initial) policy; 0 = off
     (no reference forward pass)."""

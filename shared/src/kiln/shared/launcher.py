@@ -126,8 +126,9 @@ class LocalPlatform:
             for i in range(cfg.local.replicas.get(name, 1)):
                 label = f"{name}-{i}"
                 log = self.run_dir / "logs" / f"{label}.log"
+                argv = info.argv(load_config(info.config_class(), self.config_file))
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", info.module, "--config", str(self.config_file), "--instance", label],
+                    [*argv, "--config", str(self.config_file), "--instance", label],
                     stdout=open(log, "ab"),
                     stderr=subprocess.STDOUT,
                     env=env,
@@ -173,6 +174,14 @@ class LocalPlatform:
         while not self.finished.is_set():
             for ch in self.children:
                 if ch.proc.poll() is not None:
+                    # The learner ends by itself once the run is finished; the run's
+                    # "finished" event may reach us just after its exit.
+                    if ch.proc.returncode == 0:
+                        try:
+                            await asyncio.wait_for(self.finished.wait(), 5.0)
+                            return
+                        except asyncio.TimeoutError:
+                            pass
                     self.failed = f"{ch.name} exited with code {ch.proc.returncode}; last lines of {ch.log}:\n" + _tail(ch.log)
                     return
             if time.monotonic() > deadline:

@@ -7,6 +7,7 @@ service's code until asked to.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -20,6 +21,15 @@ class ServiceInfo:
     """``package.module:ConfigClass`` of its settings."""
     order: int = 0
     """Start order in ``kiln run`` (lower first); stopped in reverse."""
+    command: str = ""
+    """Optional ``package.module:function(config, module) -> argv prefix`` for services that
+    are not started as ``python -m <module>`` (the learner on a multi-rank world: torchrun)."""
+
+    def argv(self, config) -> list[str]:
+        if not self.command:
+            return [sys.executable, "-m", self.module]
+        mod, _, fn = self.command.partition(":")
+        return getattr(importlib.import_module(mod), fn)(config, self.module)
 
     def config_class(self):
         mod, _, cls = self.config.partition(":")

@@ -42,6 +42,15 @@ class LearnerSettings(Section):
     )
     """Module-name patterns (fnmatch) never converted to low precision: by default the
     routers (and a shared expert's gate), the embeddings and the output head."""
+    dp_shard: int = Field(default=1, ge=1)
+    """FSDP2 shard degree of the learner's world (world = ``dp_shard`` x ``ep`` ranks,
+    started by torchrun from ``kiln run``)."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree: experts are split over this many ranks (must divide
+    ``model.num_experts``)."""
+    ep_dispatch: Literal["hp", "mxfp8"] = "hp"
+    """Payload of the expert all-to-all: the activations' own precision, or MXFP8 (a
+    quarter of fp32's bytes; gradients stay high precision)."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up over this many optimizer steps (0 = none)."""
     checkpoint_dir: str = ""

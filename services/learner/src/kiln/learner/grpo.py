@@ -15,21 +15,38 @@ its own version, so staleness is judged per token. The loss variants (``loss``):
   the surrogate is weighted by the behaviour correction ``pi_prox / pi_behaviour``
   (detached, truncated at ``tis_cap`` when it is > 0); with ``prox == behaviour`` it is
   ``ppo_clip``;
-- ``tis``: the plain policy gradient weighted by the truncated importance ratio
-  ``min(pi_theta / pi_behaviour, tis_cap)`` (detached);
+- ``tis``: the plain policy gradient ``-w * A * logp`` weighted by the truncated
+  importance ratio ``w = min(pi / pi_behaviour, tis_cap)`` (detached), where ``pi`` is
+  the proximal policy when its logprobs are given and ``pi_theta`` otherwise (the same
+  numbers when the batch takes one optimizer step, as the learner's does);
+
+``tis_cap`` <= 0 means no truncation (plain importance weights) in both variants that
+use it;
 
 plus, when ``kl_coef > 0``, a KL penalty to a frozen reference policy per token with
 the ``k1`` (``logp - ref``) or ``k3`` (``exp(ref - logp) - (ref - logp) - 1``)
-estimator. Every term is a mean over all trained tokens of the batch (token-level, so
+estimator (``k1`` is unbiased for the KL value but, used as a loss, its gradient is
+only the score function; ``k3`` is non-negative and its gradient pulls toward the
+reference). Every term is a mean over all trained tokens of the batch (token-level, so
 long trajectories are not down-weighted).
 
-Invariant: a token that is not trained (``loss_mask`` 0, or older than
-``max_staleness`` versions) contributes nothing to the loss, to the token count or to
-any gradient (its gradient is exactly zero).
+Invariants:
+
+- a token that is not trained (``loss_mask`` 0, or older than ``max_staleness``
+  versions: ``trained_token_mask``) contributes nothing to the loss, to the token count
+  or to any gradient (its gradient is exactly zero, and no nan/inf leaks from the
+  logprobs recorded at untrained positions);
+- behaviour, proximal and reference logprobs are constants (no gradient flows into
+  them); only ``logp`` (the policy being trained) is differentiated;
+- the stats are floats: ``tokens`` (trained tokens), ``ratio_mean`` and ``clip_frac`` (of
+  the clipped ratio: theta/behaviour, theta/prox for ``decoupled_ppo``; for ``tis`` the
+  fraction of capped weights), ``tis_capped_frac`` (when a cap applies), ``kl`` (when
+  ``kl_coef > 0``), ``behaviour_weight_mean`` (``decoupled_ppo``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +55,14 @@ LOSSES = ("ppo_clip", "decoupled_ppo", "tis")
 
 
 def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-6) -> list[float]:
+    """Mean-centred (optionally std-normalised) advantages of one group. ``rewards`` are
+    those of the group's valid samples only: an ``infra_error`` sample has no reward (its
+    placeholder 0 would bias the group), so the caller leaves it out; a non-finite reward
+    is refused rather than spread over the whole group."""
     if not rewards:
         return []
+    if not all(math.isfinite(x) for x in rewards):
+        raise ValueError(f"non-finite reward in a group: {rewards}")
     r = torch.tensor(rewards, dtype=torch.float64)
     a = r - r.mean()
     if std_normalize and len(rewards) > 1:
@@ -62,6 +85,8 @@ def trained_token_mask(
 
 @dataclass(frozen=True)
 class LossConfig:
+    """The loss's knobs (``algorithm.*`` of the settings, same names and meaning)."""
+
     loss: str = "ppo_clip"
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
@@ -74,10 +99,24 @@ class LossConfig:
             raise ValueError(f"unknown loss {self.loss!r}; expected one of {LOSSES}")
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected k1 or k3")
+        if not 0 < self.clip_eps < 1 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
+            raise ValueError(f"clip ranges must be in (0, 1) (low) and > 0 (high): {self.clip_eps}, {self.clip_eps_high}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0: {self.kl_coef}")
 
 
 def _clipped_surrogate(ratio, adv, lo, hi):
     return torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+
+
+def _truncate(weight, cap, mask, n, stats):
+    """``min(weight, cap)`` (no cap when ``cap <= 0``) and where it capped; records
+    ``tis_capped_frac`` over the trained tokens when a cap applies."""
+    if cap <= 0:
+        return weight, torch.zeros_like(weight, dtype=torch.bool)
+    capped = weight > cap
+    stats["tis_capped_frac"] = float((capped.to(mask.dtype) * mask).sum() / n)
+    return weight.clamp(max=cap), capped
 
 
 def policy_loss(
@@ -94,10 +133,14 @@ def policy_loss(
     mask = mask.to(logp.dtype)
     n = mask.sum().clamp(min=1)
     lo, hi = 1 - cfg.clip_eps, 1 + (cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps)
-    # Masked positions are filled before exp(): a huge logp gap on a prompt token must
-    # not turn into inf * 0 = nan in the loss or its gradient.
+    # Masked positions are filled before anything else (the policy's with a constant
+    # through where(), whose backward gives them exactly 0): a huge logp gap or a -inf on
+    # a prompt or pad token must not turn into inf * 0 = nan in the loss or its gradient.
     keep = mask.bool()
-    behaviour_logp = torch.where(keep, behaviour_logp, logp.detach())
+    logp = torch.where(keep, logp, torch.zeros_like(logp))
+    behaviour_logp = torch.where(keep, behaviour_logp.detach(), logp.detach())
+    if prox_logp is not None:
+        prox_logp = torch.where(keep, prox_logp.detach(), logp.detach())
     stats: dict[str, float] = {}
     if cfg.loss == "ppo_clip":
         ratio = torch.exp(logp - behaviour_logp)
@@ -106,29 +149,24 @@ def policy_loss(
     elif cfg.loss == "decoupled_ppo":
         if prox_logp is None:
             raise ValueError("decoupled_ppo needs the proximal policy's logprobs")
-        prox_logp = torch.where(keep, prox_logp, logp.detach())
         ratio = torch.exp(logp - prox_logp)
-        weight = torch.exp(prox_logp - behaviour_logp).detach()
-        if cfg.tis_cap > 0:
-            stats["tis_capped_frac"] = float(((weight > cfg.tis_cap).to(mask.dtype) * mask).sum() / n)
-            weight = weight.clamp(max=cfg.tis_cap)
+        weight, _ = _truncate(torch.exp(prox_logp - behaviour_logp).detach(), cfg.tis_cap, mask, n, stats)
         per_token = -weight * _clipped_surrogate(ratio, advantages, lo, hi)
         clipped = (ratio < lo) | (ratio > hi)
         stats["behaviour_weight_mean"] = float((weight * mask).sum() / n)
     else:  # tis
         ratio = torch.exp(logp - behaviour_logp)
-        weight = ratio.detach()
-        stats["tis_capped_frac"] = float(((weight > cfg.tis_cap).to(mask.dtype) * mask).sum() / n)
-        weight = weight.clamp(max=cfg.tis_cap)
+        pi = logp.detach() if prox_logp is None else prox_logp
+        weight, capped = _truncate(torch.exp(pi - behaviour_logp).detach(), cfg.tis_cap, mask, n, stats)
         per_token = -weight * advantages * logp
-        clipped = weight >= cfg.tis_cap
-    loss = (per_token * mask).sum() / n
+        clipped = capped
+    loss = torch.where(keep, per_token, 0.0).sum() / n
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
-        d = torch.where(keep, ref_logp, logp.detach()) - logp
+        d = torch.where(keep, ref_logp.detach(), logp.detach()) - logp
         kl = -d if cfg.kl_estimator == "k1" else torch.exp(d) - d - 1
-        kl_mean = (kl * mask).sum() / n
+        kl_mean = torch.where(keep, kl, 0.0).sum() / n
         loss = loss + cfg.kl_coef * kl_mean
         stats["kl"] = float(kl_mean.detach())
     with torch.no_grad():

@@ -2,19 +2,26 @@
 
 Starts the run (its database row), trains the tokenizer and initial policy and hands
 version 0 to the weights service (or, when the run has a learner checkpoint, restores
-the whole state and takes the run up where it stopped), then reacts: every published version lets the
+the whole state and takes the run up where it stopped; on a multi-rank world this is
+rank 0, and ranks 1.. run ``follower_main``), then reacts: every published version lets the
 controller dispatch more groups, every scored trajectory goes to the trainer, and the
 run ends when version ``algorithm.steps`` is published.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
+import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database
+from kiln.shared.config import load_config
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
 from kiln.shared.tasks import load_suite
 
@@ -22,6 +29,7 @@ from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
 from kiln.learner.policy import Policy
 from kiln.learner.state import Checkpointer
+from kiln.learner.world import follow, join
 from kiln.learner.trainer import Trainer
 
 log = logging.getLogger("kiln.learner")
@@ -32,14 +40,18 @@ async def serve(ctx: ServiceContext) -> None:
     if not cfg.run.id:
         raise ValueError("run.id is empty: the learner drives one run (set KILN_RUN__ID or start with `kiln run`)")
     db = Database(cfg.database.url, cfg.database.echo)
+    world = None
     try:
         suite = load_suite(cfg.tasks.suite)
         controller = Controller(ctx, db, suite)
         root = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
         checkpointer = Checkpointer(root / cfg.run.id, keep=cfg.learner.checkpoint_keep)
         meta = checkpointer.latest() if cfg.learner.resume else None
-        policy = await asyncio.to_thread(Policy, cfg, suite)
+        world = await asyncio.to_thread(join, cfg)
+        policy = await asyncio.to_thread(Policy, cfg, suite, world)
         if meta is not None:
+            if world is not None:
+                world.announce("load", meta)
             await asyncio.to_thread(checkpointer.load, policy.model, policy.optimizer, policy.scheduler, meta)
             log.info("restored the learner's state after step %d (version %d)", meta.step, meta.version)
         await controller.start_run(resume_version=meta.version if meta else None)
@@ -76,10 +88,35 @@ async def serve(ctx: ServiceContext) -> None:
         elif controller.outcome[0] == "failed":
             raise RuntimeError(f"run {cfg.run.id} failed: {controller.outcome[1]}")
     finally:
+        if world is not None:
+            try:
+                world.announce("stop")
+            except RuntimeError as e:  # the followers already went (a SIGTERM reaches every rank)
+                log.info("follower ranks gone before the stop command: %s", e)
+            dist.destroy_process_group()
         await db.close()
 
 
+def follower_main(argv: list[str]) -> None:
+    """Ranks 1..N-1 of a multi-rank learner: no bus, no database; rank 0 drives them."""
+    p = argparse.ArgumentParser(prog="kiln-learner (follower rank)")
+    p.add_argument("--config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--instance")
+    args = p.parse_args(argv)
+    cfg = load_config(LearnerConfig, args.config, args.overrides)
+    logging.basicConfig(level=cfg.telemetry.log_level, format=f"%(asctime)s %(levelname)s learner-rank{os.environ['RANK']} %(name)s: %(message)s")
+    world = join(cfg)
+    root = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
+    policy = Policy(cfg, load_suite(cfg.tasks.suite), world)
+    follow(world, policy, Checkpointer(root / cfg.run.id, keep=cfg.learner.checkpoint_keep))
+    dist.destroy_process_group()
+
+
 def main() -> None:
+    if int(os.environ.get("RANK", "0")) > 0:
+        follower_main(sys.argv[1:])
+        return
     service_main("learner", LearnerConfig, serve)
 
 

@@ -16,17 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from kiln.shared import chat
 from kiln.shared.contracts import Trajectory
 from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
+from kiln.shared.model.checkpoint import plain
 from kiln.shared.model.tokenizer import special_id, train_tokenizer
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.tools import tool_schemas
 
 from kiln.learner.config import LearnerConfig
 from kiln.learner.grpo import LossConfig, policy_loss, trained_token_mask
+from kiln.learner.parallel import clip_grad_norm_, expert_parameters, full_state_dict, global_load_balancing_loss, parallelize
 from kiln.learner.precision import apply_precision
+from kiln.learner.world import World
 
 
 def tokenizer_corpus(suite: TaskSuite, repeats: int) -> list[str]:
@@ -51,6 +55,7 @@ class StepStats:
     seconds: float
     stale_tokens: int = 0
     kl: float = 0.0
+    tis_capped_frac: float = 0.0
 
 
 class _Warmup:
@@ -65,8 +70,9 @@ class _Warmup:
 
 
 class Policy:
-    def __init__(self, cfg: LearnerConfig, suite: TaskSuite):
+    def __init__(self, cfg: LearnerConfig, suite: TaskSuite, world: World | None = None):
         self.cfg = cfg
+        self.world = world
         torch.set_num_threads(cfg.learner.torch_threads)
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats), cfg.model.vocab_size)
@@ -81,13 +87,24 @@ class Policy:
         self.precision = apply_precision(
             self.model, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
         )
+        if world is not None:
+            parallelize(self.model, world.meshes, dispatch=lc.ep_dispatch)
         a = cfg.algorithm
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        # foreach kernels need every parameter on one mesh; a sharded MoE has two.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False if world is not None else None
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _Warmup(cfg.learner.lr_warmup_steps))
         self._reference: MoEForCausalLM | None = None
 
     def stage(self, folder: Path) -> Path:
-        return save_checkpoint(self.model, folder, self.tokenizer)
+        """Write the current policy as an HF folder (rank 0; the followers join the gather)."""
+        if self.world is None:
+            return save_checkpoint(self.model, folder, self.tokenizer)
+        self.world.announce("stage")
+        export = MoEForCausalLM(self.model.config)
+        export.load_state_dict({k: plain(v) for k, v in self.full_state().items()}, strict=False)
+        return save_checkpoint(export, folder, self.tokenizer)
 
     def loss_config(self) -> LossConfig:
         a = self.cfg.algorithm
@@ -99,8 +116,8 @@ class Policy:
     def train_step(self, batch: list[tuple[Trajectory, float]], version: int | None = None) -> StepStats:
         """One optimizer step on ``batch`` (trajectory, advantage); ``version`` is the
         policy version being trained (tokens more than ``max_staleness`` older are
-        masked out; None trains every generated token)."""
-        t0 = time.monotonic()
+        masked out; None trains every generated token). On a multi-rank world this is
+        rank 0's call: the batch is announced and every rank trains its rows."""
         a = self.cfg.algorithm
         n = max(len(t.token_ids) for t, _ in batch)
         if self.cfg.learner.precision in ("mxfp8", "fp8_rowwise"):
@@ -120,40 +137,80 @@ class Policy:
             versions[i, :k] = torch.tensor(t.token_versions)
             behaviour[i, :k] = torch.tensor(t.logprobs)
             adv[i, 0] = advantage
-        mask, stale = trained_token_mask(loss_mask, versions, version if version is not None else 0, a.max_staleness if version is not None else None)
+        mask, stale = trained_token_mask(
+            loss_mask, versions, version if version is not None else 0, a.max_staleness if version is not None else None
+        )
+        tensors = {"ids": ids, "attn": attn, "mask": mask.float(), "behaviour": behaviour, "adv": adv, "stale": stale}
+        if self.world is not None:
+            if len(batch) < self.world.size:
+                raise ValueError(f"a batch of {len(batch)} trajectories cannot be split over {self.world.size} ranks")
+            self.world.announce("step", tensors)
+        return self.step_tensors(tensors)
+
+    def step_tensors(self, t: dict) -> StepStats:
+        """The step every rank runs on its rows (``rank::world``) of the batch tensors.
+        Each rank's loss is its share of the batch's token-level mean (see
+        ``kiln.learner.parallel``), so the update equals the single-process one."""
+        t0 = time.monotonic()
+        a = self.cfg.algorithm
+        rank, size = (self.world.rank, self.world.size) if self.world is not None else (0, 1)
+        rows = {k: v[rank::size] for k, v in t.items() if isinstance(v, torch.Tensor)}
+        global_tokens = float(t["mask"].sum())
         cfg = self.loss_config()
         prox = ref = None
         with torch.no_grad():
             if cfg.loss == "decoupled_ppo":  # the policy this batch starts from
                 self.model.eval()
-                prox, _ = sequence_logprobs(self.model, ids, attn, a.temperature)
+                prox, _ = sequence_logprobs(self.model, rows["ids"], rows["attn"], a.temperature)
             if cfg.kl_coef > 0:
-                ref, _ = sequence_logprobs(self.reference(), ids, attn, a.temperature)
+                ref, _ = sequence_logprobs(self.reference(), rows["ids"], rows["attn"], a.temperature)
         self.model.train()
-        logp, routers = sequence_logprobs(self.model, ids, attn, a.temperature)
-        pg, stats = policy_loss(logp, behaviour, adv, mask.float(), cfg, prox_logp=prox, ref_logp=ref)
-        aux = self.model.load_balancing_loss(routers, attn)
-        loss = pg + self.model.config.router_aux_loss_coef * aux
+        logp, routers = sequence_logprobs(self.model, rows["ids"], rows["attn"], a.temperature)
+        pg, stats = policy_loss(logp, rows["behaviour"], rows["adv"], rows["mask"], cfg, prox_logp=prox, ref_logp=ref)
+        pg = pg * (stats["tokens"] / max(global_tokens, 1.0))
+        aux = global_load_balancing_loss(self.model, routers, rows["attn"])
+        loss = size * (pg + self.model.config.router_aux_loss_coef * aux)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm)
+        if self.world is not None and self.world.meshes.dims.ep > 1:
+            for p in expert_parameters(self.model):  # summed over the ep group, averaged over dp
+                if p.grad is not None:
+                    p.grad.div_(self.world.meshes.dims.ep)
+        clip_grad_norm_(list(self.model.parameters()), self.cfg.learner.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
+        total = torch.tensor([float(pg.detach()), stats["ratio_mean"] * stats["tokens"], stats["clip_frac"] * stats["tokens"], stats.get("kl", 0.0) * stats["tokens"], stats.get("tis_capped_frac", 0.0) * stats["tokens"]])
+        if self.world is not None:
+            dist.all_reduce(total)
+        tokens = max(global_tokens, 1.0)
         return StepStats(
-            loss=float(pg.detach()),
-            aux_loss=float(aux.detach()),
-            tokens=int(stats["tokens"]),
-            ratio_mean=stats["ratio_mean"],
-            clip_frac=stats["clip_frac"],
+            loss=float(total[0]),
+            aux_loss=float(aux.detach()) * size,
+            tokens=int(global_tokens),
+            ratio_mean=float(total[1]) / tokens,
+            clip_frac=float(total[2]) / tokens,
             seconds=time.monotonic() - t0,
-            stale_tokens=stale,
-            kl=stats.get("kl", 0.0),
+            stale_tokens=int(t["stale"]),
+            kl=float(total[3]) / tokens,
+            tis_capped_frac=float(total[4]) / tokens,
         )
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters under the plain model's names (collective on a world)."""
+        if self.world is None:
+            return {k: plain(v).detach() for k, v in self.model.state_dict().items()}
+        return full_state_dict(self.model)
+
     def reference(self) -> MoEForCausalLM:
-        """The frozen initial policy (the KL anchor), rebuilt from the run's seed."""
+        """The frozen initial policy (the KL anchor), rebuilt from the run's seed in the
+        policy's precision and on its device, so that it is version 0 exactly (the first
+        step's KL is 0), after a resume too."""
         if self._reference is None:
-            self._reference = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed).eval()
-            for p in self._reference.parameters():
+            ref = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed)
+            lc = self.cfg.learner
+            apply_precision(ref, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision))
+            ref = ref.to(next(self.model.parameters()).device).eval()
+            for p in ref.parameters():
                 p.requires_grad_(False)
+            self._reference = ref
         return self._reference

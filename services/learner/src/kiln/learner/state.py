@@ -89,7 +89,7 @@ class Checkpointer:
         meta.torch_rng = _torch_rng()
         meta.python_rng = _jsonable(random.getstate())
         msd, osd = get_state_dict(model, optimizer)
-        state = {"model": _plain(msd), "optim": _plain(osd), "scheduler": scheduler.state_dict() if scheduler else {}}
+        state = _state(model, msd, osd, scheduler)
         target = self._dir(meta.step)
         shutil.rmtree(target, ignore_errors=True)
         if asynchronous:
@@ -124,13 +124,44 @@ class Checkpointer:
         """Restore ``meta``'s checkpoint into the live objects (in place)."""
         msd, osd = get_state_dict(model, optimizer)
         # Loaded in place into the live tensors (under any precision wrapper).
-        state = {"model": _plain(msd), "optim": _plain(osd), "scheduler": scheduler.state_dict() if scheduler else {}}
+        state = _state(model, msd, osd, scheduler)
         dcp.load(state, checkpoint_id=str(self._dir(meta.step)), **_dist())
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         if scheduler:
             scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(torch.tensor(meta.torch_rng, dtype=torch.uint8))
         random.setstate(_tuple(meta.python_rng))
+
+
+def _expert_keys(model) -> dict[str, str]:
+    """Expert-parallel slices hold different experts under one parameter name on every
+    ``ep`` rank; DCP would take them for replicas of one tensor and keep one. Each rank's
+    slice gets its own key (``...@ep<rank>``), so every expert is saved and restored by
+    the rank that owns it (resuming therefore needs the same ``ep``)."""
+    from kiln.learner.parallel import ExpertParallel
+
+    out = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, ExpertParallel):
+            rank = m.first_expert // m.local_experts
+            for name, _ in m.local.named_parameters():
+                fqn = f"{prefix}.local.{name}"
+                out[fqn] = f"{fqn}@ep{rank}"
+    return out
+
+
+def _state(model, msd: dict, osd: dict, scheduler) -> dict:
+    keys = _expert_keys(model)
+    rename = (lambda k: keys.get(k, k)) if keys else (lambda k: k)
+    optim = dict(osd)
+    if keys:
+        optim["state"] = {rename(k): v for k, v in osd.get("state", {}).items()}
+        optim["param_groups"] = [{**g, "params": [rename(k) for k in g["params"]]} for g in osd.get("param_groups", [])]
+    return {
+        "model": _plain({rename(k): v for k, v in msd.items()}),
+        "optim": _plain(optim),
+        "scheduler": scheduler.state_dict() if scheduler else {},
+    }
 
 
 def _plain(tree):

@@ -91,6 +91,14 @@ class Trainer:
             msg_id=f"{self.cfg.run.id}-ckpt-v{version}",
         )
 
+    def _checkpoint(self, meta: Meta) -> None:
+        p = self.policy
+        if p.world is not None:  # every rank writes its shards; collectives run in lockstep
+            p.world.announce("checkpoint", meta)
+            self.checkpointer.save(p.model, p.optimizer, p.scheduler, meta, asynchronous=False)
+        else:
+            self.checkpointer.save(p.model, p.optimizer, p.scheduler, meta, asynchronous=self.cfg.learner.checkpoint_async)
+
     async def on_scored(self, scored: c.ScoredTrajectory, delivery: Delivery) -> None:
         async with self._lock:
             await self._add(scored, delivery)
@@ -171,11 +179,7 @@ class Trainer:
                     step=self.step, version=version, trained_groups=groups,
                     trained_trajectories=[s.trajectory.trajectory_id for s, _ in used],
                 )  # fmt: skip
-                p = self.policy
-                await asyncio.to_thread(
-                    self.checkpointer.save, p.model, p.optimizer, p.scheduler, meta,
-                    asynchronous=self.cfg.learner.checkpoint_async,
-                )  # fmt: skip
+                await asyncio.to_thread(self._checkpoint, meta)
                 committed = self.checkpointer.wait  # the DCP files are written while the version is staged
             await self._hand_over(version, parent=version - 1, committed=committed)
         now_ns = time.time_ns()
