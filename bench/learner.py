@@ -58,6 +58,7 @@ def batch(rows: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
 
 def cell(precision: str, dp: int, ep: int, steps: int, rows: int, seq: int) -> float:
     """Tokens/s (whole batch, all ranks) of ``steps`` steps; runs inside each rank."""
+    from kiln.learner.grpo import LossConfig
     from kiln.learner.parallel import ParallelDims, init_distributed, parallelize, policy_gradient_step
 
     torch.set_num_threads(1)
@@ -70,7 +71,7 @@ def cell(precision: str, dp: int, ep: int, steps: int, rows: int, seq: int) -> f
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     b = batch(rows, seq, model.config.vocab_size)
     shard = {k: v[rank::world] for k, v in b.items()}
-    kw = {"global_tokens": int(b["mask"].sum()), "clip_eps": 0.2, "temperature": 1.0, "max_grad_norm": 1.0}
+    kw = {"global_tokens": float(b["mask"].sum()), "loss": LossConfig(clip_eps=0.2), "temperature": 1.0, "max_grad_norm": 1.0}
     policy_gradient_step(model, opt, shard, **kw)  # warm-up
     if world > 1:
         dist.barrier()

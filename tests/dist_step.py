@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from kiln.learner.grpo import LossConfig
 from kiln.learner.parallel import ParallelDims, full_state_dict, init_distributed, parallelize, policy_gradient_step
 from kiln.shared.model import MoEConfig, MoEForCausalLM
 
@@ -17,7 +18,7 @@ CFG = MoEConfig(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 )  # fmt: skip
 ROWS = 8
-HPARAMS = {"clip_eps": 0.2, "temperature": 1.0, "max_grad_norm": 1.0}
+HPARAMS = {"loss": LossConfig(clip_eps=0.2), "temperature": 1.0, "max_grad_norm": 1.0}
 
 
 def batch(seed: int = 0) -> dict[str, torch.Tensor]:

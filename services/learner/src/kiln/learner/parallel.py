@@ -37,6 +37,10 @@ from torch.distributed.nn.functional import all_reduce as differentiable_all_red
 from torch.distributed.nn.functional import all_to_all_single as differentiable_all_to_all
 from torch.distributed.tensor import DTensor
 
+from kiln.shared.model import sequence_logprobs
+
+from kiln.learner.grpo import LossConfig, policy_loss
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -241,35 +245,40 @@ def policy_gradient_step(
     optimizer: torch.optim.Optimizer,
     shard: dict[str, torch.Tensor],
     *,
-    global_tokens: int,
-    clip_eps: float,
+    global_tokens: float,
+    loss: LossConfig,
     temperature: float,
     max_grad_norm: float,
+    prox_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """One PPO-clip step on this rank's ``shard`` (ids, attn, mask, behaviour, adv: the
-    tensors ``Policy.train_step`` builds), normalised by the batch's ``global_tokens``.
-    Returns the global loss (all-reduced) on every rank."""
-    from kiln.shared.model import sequence_logprobs
-
-    from kiln.learner.grpo import ppo_clip_loss
-
+    """One optimizer step on this rank's ``shard`` (ids, attn, mask, behaviour, adv: the
+    tensors ``Policy.train_step`` builds) with the ``loss`` variant, normalised by the
+    batch's ``global_tokens``; single-process when no process group exists. Returns the
+    batch's statistics (summed over ranks), the same on every rank."""
     model.train()
     logp, routers = sequence_logprobs(model, shard["ids"], shard["attn"], temperature)
-    pg, stats = ppo_clip_loss(logp, shard["behaviour"], shard["adv"], shard["mask"], clip_eps)
-    pg = pg * (stats["tokens"] / max(global_tokens, 1))  # this rank's share of the global mean
+    pg, stats = policy_loss(logp, shard["behaviour"], shard["adv"], shard["mask"], loss, prox_logp=prox_logp, ref_logp=ref_logp)
+    pg = pg * (stats["tokens"] / max(global_tokens, 1.0))  # this rank's share of the global mean
     aux = global_load_balancing_loss(model, routers, shard["attn"])
     world = dist.get_world_size() if dist.is_initialized() else 1
-    loss = world * (pg + model.config.router_aux_loss_coef * aux)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (world * (pg + model.config.router_aux_loss_coef * aux)).backward()
     ep = next((m.ep_size for m in model.modules() if isinstance(m, ExpertParallel)), 1)
-    if ep > 1:
+    if ep > 1:  # summed over the ep group by the all-to-all, averaged over dp by FSDP
         for p in expert_parameters(model):
             if p.grad is not None:
                 p.grad.div_(ep)
-    norm = clip_grad_norm_([p for p in model.parameters()], max_grad_norm)
+    norm = clip_grad_norm_(list(model.parameters()), max_grad_norm)
     optimizer.step()
-    total = pg.detach().clone()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return {"loss": float(total), "aux_loss": float(aux.detach()) * (dist.get_world_size() if dist.is_initialized() else 1), "grad_norm": float(norm)}
+    n = stats["tokens"]
+    sums = torch.tensor([float(pg.detach()), stats["ratio_mean"] * n, stats["clip_frac"] * n,
+                         stats.get("kl", 0.0) * n, stats.get("tis_capped_frac", 0.0) * n])  # fmt: skip
+    if world > 1:
+        dist.all_reduce(sums)
+    total = max(global_tokens, 1.0)
+    return {
+        "loss": float(sums[0]), "ratio_mean": float(sums[1]) / total, "clip_frac": float(sums[2]) / total,
+        "kl": float(sums[3]) / total, "tis_capped_frac": float(sums[4]) / total,
+        "aux_loss": float(aux.detach()) * world, "grad_norm": float(norm), "tokens": global_tokens,
+    }  # fmt: skip

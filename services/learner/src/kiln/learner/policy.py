@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from kiln.shared import chat
 from kiln.shared.contracts import Trajectory
@@ -27,8 +26,8 @@ from kiln.shared.tasks import TaskSuite
 from kiln.shared.tools import tool_schemas
 
 from kiln.learner.config import LearnerConfig
-from kiln.learner.grpo import LossConfig, policy_loss, trained_token_mask
-from kiln.learner.parallel import clip_grad_norm_, expert_parameters, full_state_dict, global_load_balancing_loss, parallelize
+from kiln.learner.grpo import LossConfig, trained_token_mask
+from kiln.learner.parallel import full_state_dict, parallelize, policy_gradient_step
 from kiln.learner.precision import apply_precision
 from kiln.learner.world import World
 
@@ -164,35 +163,21 @@ class Policy:
                 prox, _ = sequence_logprobs(self.model, rows["ids"], rows["attn"], a.temperature)
             if cfg.kl_coef > 0:
                 ref, _ = sequence_logprobs(self.reference(), rows["ids"], rows["attn"], a.temperature)
-        self.model.train()
-        logp, routers = sequence_logprobs(self.model, rows["ids"], rows["attn"], a.temperature)
-        pg, stats = policy_loss(logp, rows["behaviour"], rows["adv"], rows["mask"], cfg, prox_logp=prox, ref_logp=ref)
-        pg = pg * (stats["tokens"] / max(global_tokens, 1.0))
-        aux = global_load_balancing_loss(self.model, routers, rows["attn"])
-        loss = size * (pg + self.model.config.router_aux_loss_coef * aux)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.world is not None and self.world.meshes.dims.ep > 1:
-            for p in expert_parameters(self.model):  # summed over the ep group, averaged over dp
-                if p.grad is not None:
-                    p.grad.div_(self.world.meshes.dims.ep)
-        clip_grad_norm_(list(self.model.parameters()), self.cfg.learner.max_grad_norm)
-        self.optimizer.step()
+        out = policy_gradient_step(
+            self.model, self.optimizer, rows, global_tokens=global_tokens, loss=cfg, temperature=a.temperature,
+            max_grad_norm=self.cfg.learner.max_grad_norm, prox_logp=prox, ref_logp=ref,
+        )  # fmt: skip
         self.scheduler.step()
-        total = torch.tensor([float(pg.detach()), stats["ratio_mean"] * stats["tokens"], stats["clip_frac"] * stats["tokens"], stats.get("kl", 0.0) * stats["tokens"], stats.get("tis_capped_frac", 0.0) * stats["tokens"]])
-        if self.world is not None:
-            dist.all_reduce(total)
-        tokens = max(global_tokens, 1.0)
         return StepStats(
-            loss=float(total[0]),
-            aux_loss=float(aux.detach()) * size,
+            loss=out["loss"],
+            aux_loss=out["aux_loss"],
             tokens=int(global_tokens),
-            ratio_mean=float(total[1]) / tokens,
-            clip_frac=float(total[2]) / tokens,
+            ratio_mean=out["ratio_mean"],
+            clip_frac=out["clip_frac"],
             seconds=time.monotonic() - t0,
             stale_tokens=int(t["stale"]),
-            kl=float(total[3]) / tokens,
-            tis_capped_frac=float(total[4]) / tokens,
+            kl=out["kl"],
+            tis_capped_frac=out["tis_capped_frac"],
         )
 
     def full_state(self) -> dict[str, torch.Tensor]:
