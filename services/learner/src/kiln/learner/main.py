@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import sys
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -28,7 +27,7 @@ from kiln.shared.tasks import load_suite
 from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
 from kiln.learner.policy import Policy
-from kiln.learner.state import Checkpointer
+from kiln.learner.state import Checkpointer, checkpoint_root
 from kiln.learner.world import follow, join
 from kiln.learner.trainer import Trainer
 
@@ -44,8 +43,7 @@ async def serve(ctx: ServiceContext) -> None:
     try:
         suite = load_suite(cfg.tasks.suite)
         controller = Controller(ctx, db, suite)
-        root = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
-        checkpointer = Checkpointer(root / cfg.run.id, keep=cfg.learner.checkpoint_keep)
+        checkpointer = Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep)
         meta = checkpointer.latest() if cfg.learner.resume else None
         world = await asyncio.to_thread(join, cfg)
         policy = await asyncio.to_thread(Policy, cfg, suite, world)
@@ -107,9 +105,8 @@ def follower_main(argv: list[str]) -> None:
     cfg = load_config(LearnerConfig, args.config, args.overrides)
     logging.basicConfig(level=cfg.telemetry.log_level, format=f"%(asctime)s %(levelname)s learner-rank{os.environ['RANK']} %(name)s: %(message)s")
     world = join(cfg)
-    root = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
     policy = Policy(cfg, load_suite(cfg.tasks.suite), world)
-    follow(world, policy, Checkpointer(root / cfg.run.id, keep=cfg.learner.checkpoint_keep))
+    follow(world, policy, Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep))
     dist.destroy_process_group()
 
 

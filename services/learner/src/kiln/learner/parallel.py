@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -38,6 +37,7 @@ from torch.distributed.nn.functional import all_to_all_single as differentiable_
 from torch.distributed.tensor import DTensor
 
 from kiln.shared.model import sequence_logprobs
+from kiln.shared.model.moe import balancing_loss
 
 from kiln.learner.grpo import LossConfig, policy_loss
 
@@ -188,23 +188,13 @@ def parallelize(model: nn.Module, meshes: Meshes, dispatch: str = "hp") -> nn.Mo
 def global_load_balancing_loss(model: nn.Module, router_logits: list[torch.Tensor], token_mask: torch.Tensor) -> torch.Tensor:
     """The model's Switch load-balancing loss over the whole world's tokens, divided by
     the world size (every rank adds it, the gradient sum counts it once)."""
-    e, k = model.config.num_experts, model.config.num_experts_per_tok
-    logits = torch.cat(router_logits, dim=0)
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    sel = probs.topk(k, dim=-1).indices
-    m = token_mask.reshape(-1).float().repeat(len(router_logits))
-    frac = (F.one_hot(sel, e).float() * m[:, None, None]).sum(0)  # (k, E): no gradient
-    prob = (probs * m[:, None]).sum(0)
-    n = m.sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(frac)
+    frac, prob, n = model.routing_sums(router_logits, token_mask)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(frac)  # selections carry no gradient
         dist.all_reduce(n)
         prob = differentiable_all_reduce(prob)
-        world = dist.get_world_size()
-    else:
-        world = 1
-    n = n.clamp(min=1)
-    return e * ((frac / n) * (prob / n)[None, :]).sum() / world
+    return balancing_loss(model.config.num_experts, frac, prob, n) / world
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -61,6 +61,12 @@ def _torch_rng() -> list[int]:
     return torch.get_rng_state().tolist()
 
 
+def checkpoint_root(cfg) -> Path:
+    """Where a run's learner checkpoints live (every rank computes the same path)."""
+    base = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
+    return base / cfg.run.id
+
+
 class Checkpointer:
     """Saves and restores the learner's whole state under one run's checkpoint root."""
 

@@ -360,25 +360,31 @@ class MoEForCausalLM(nn.Module):
             routers.append(r)
         return self.lm_head(self.norm(x)), routers
 
-    def load_balancing_loss(self, router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None):
-        """Switch/HF auxiliary loss: E * sum_e(fraction of tokens routed to e * mean router prob of e)."""
+    def routing_sums(self, router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None):
+        """The statistics of the load-balancing loss as sums over the (unmasked) tokens:
+        (top-k selections per expert (k, E), router probability per expert (E,), tokens).
+        Sums, so that ranks holding parts of a batch can add theirs up."""
         e, k = self.config.num_experts, self.config.num_experts_per_tok
-        logits = torch.cat(router_logits, dim=0)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        _, sel = probs.topk(k, dim=-1)
-        onehot = F.one_hot(sel, e).float()  # (N, k, E)
+        probs = F.softmax(torch.cat(router_logits, dim=0), dim=-1, dtype=torch.float32)
+        sel = probs.topk(k, dim=-1).indices
         if token_mask is None:
-            frac = onehot.mean(0)
-            prob = probs.mean(0)
+            m = torch.ones(probs.shape[0], device=probs.device)
         else:
             m = token_mask.reshape(-1).float().repeat(len(router_logits))
-            denom = m.sum().clamp(min=1)
-            frac = (onehot * m[:, None, None]).sum(0) / denom
-            prob = (probs * m[:, None]).sum(0) / denom
-        return e * (frac * prob[None, :]).sum()
+        return (F.one_hot(sel, e).float() * m[:, None, None]).sum(0), (probs * m[:, None]).sum(0), m.sum()
+
+    def load_balancing_loss(self, router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None):
+        """Switch/HF auxiliary loss: E * sum_e(fraction of tokens routed to e * mean router prob of e)."""
+        return balancing_loss(self.config.num_experts, *self.routing_sums(router_logits, token_mask))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def balancing_loss(num_experts: int, frac_sum: torch.Tensor, prob_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The load-balancing loss from ``MoEForCausalLM.routing_sums``."""
+    n = n.clamp(min=1)
+    return num_experts * ((frac_sum / n) * (prob_sum / n)[None, :]).sum()
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
