@@ -49,7 +49,11 @@ async def test_killed_rollout_worker_and_exhausted_pool(nats_server, bus, pg_url
         await platform.start("reward")
         victim = subprocess.Popen(
             [sys.executable, "-m", "kiln.rollout.main", "--config", str(exp), "--instance", "rollout-victim"],
-            stdout=open(run_dir / "victim.log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, "KILN_CONFIG": str(exp)},
+            stdout=open(run_dir / "victim.log", "wb"), stderr=subprocess.STDOUT,
+            # Long turns (~3 s each here) keep the victim inside its first group long enough
+            # for the poll below to see it: with 64-token turns a fast machine finished the
+            # whole run between two polls.
+            env={**os.environ, "KILN_CONFIG": str(exp), "KILN_ROLLOUT__MAX_NEW_TOKENS": "1500"},
         )
         await platform.start("learner", wait_ready=False)
 

@@ -169,23 +169,29 @@ class LocalPlatform:
         await bus.watch(c.STEP_METRICS, c.StepMetrics, on_metrics, deliver="new")
         await bus.watch(c.RUN_EVENTS, c.RunEvent, on_event, deliver="new")
 
-    async def _supervise(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    async def _supervise(self, cfg: LauncherConfig) -> None:
+        deadline = time.monotonic() + cfg.local.timeout_s
         while not self.finished.is_set():
             for ch in self.children:
                 if ch.proc.poll() is not None:
-                    # The learner ends by itself once the run is finished; the run's
-                    # "finished" event may reach us just after its exit.
+                    # The learner ends by itself once the run is over. Its event may reach
+                    # us after its exit (or not at all, if the bus dropped us meanwhile):
+                    # the database row, written before the event, is the run's outcome.
                     if ch.proc.returncode == 0:
                         try:
-                            await asyncio.wait_for(self.finished.wait(), 5.0)
+                            await asyncio.wait_for(self.finished.wait(), 2.0)
                             return
                         except asyncio.TimeoutError:
-                            pass
+                            status, detail = await self._run_status(cfg)
+                            if status == "finished":
+                                return
+                            if status == "failed":
+                                self.failed = detail or "the run failed"
+                                return
                     self.failed = f"{ch.name} exited with code {ch.proc.returncode}; last lines of {ch.log}:\n" + _tail(ch.log)
                     return
             if time.monotonic() > deadline:
-                self.failed = f"the run did not finish within {timeout_s:.0f}s"
+                self.failed = f"the run did not finish within {cfg.local.timeout_s:.0f}s"
                 return
             try:
                 await asyncio.wait_for(self.finished.wait(), 0.5)
@@ -220,7 +226,7 @@ class LocalPlatform:
             await bus.ensure_topology()
             await self._watch(bus, cfg.run.id, cfg.algorithm.steps)
             self._spawn(cfg)
-            await self._supervise(cfg.local.timeout_s)
+            await self._supervise(cfg)
         finally:
             _say("stopping services")
             self._stop_children(cfg.local.stop_grace_s)
@@ -246,6 +252,17 @@ class LocalPlatform:
             return 1
         print(summary, flush=True)
         return 0
+
+    async def _run_status(self, cfg: LauncherConfig) -> tuple[str | None, str]:
+        from kiln.shared.db import Database, Run
+
+        db = Database(cfg.database.url)
+        try:
+            async with db.session() as s:
+                run = await s.get(Run, cfg.run.id)
+                return (run.status, run.detail or "") if run is not None else (None, "")
+        finally:
+            await db.close()
 
     async def _mark_failed(self, cfg: LauncherConfig, why: str) -> None:
         from sqlalchemy import update
