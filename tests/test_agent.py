@@ -4,6 +4,7 @@ observations, token bookkeeping and loss masks, budgets and infra errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -17,7 +18,7 @@ from kiln.shared.model.tokenizer import train_tokenizer
 from kiln.shared.tasks import load_suite
 
 from kiln.learner.policy import tokenizer_corpus
-from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
 
@@ -38,6 +39,9 @@ class ScriptedEngine(InferenceEngine):
 
     async def load(self, version, folder):
         self.version = version
+
+    async def abort(self):
+        pass
 
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         self.prompts.append(list(prompt_ids))
@@ -122,3 +126,60 @@ async def test_unknown_task_sandbox_is_an_infra_error(envpool):
     spec = EpisodeSpec(request=request(), sample_index=0, task=TASK.model_copy(update={"id": "nope"}), worker_id="w", seed=1, temperature=1.0)
     t = await run_episode(spec, ScriptedEngine(["hi" + chat.EOS]), TOK, envpool, RolloutSettings(), trace.get_tracer("t"))
     assert t.status == c.TrajectoryStatus.INFRA_ERROR and "unknown_task" in t.infra_error and t.sandbox is None
+
+
+class AbortingEngine(ScriptedEngine):
+    """Emits the first ``cut`` tokens of its first turn, then behaves as if an abort hit."""
+
+    def __init__(self, turns, cut: int, suspend, version: int = 7):
+        super().__init__(turns, version)
+        self.cut, self.suspend, self.rest = cut, suspend, None
+
+    async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
+        if self.cut is not None:
+            self.prompts.append(list(prompt_ids))
+            ids = TOK.encode(self.turns.pop(0), add_special_tokens=False).ids
+            head, self.rest, self.cut = ids[: self.cut], ids[self.cut :], None
+            self.suspend.set()
+            return Generation(head, [-0.5] * len(head), self.version, "abort")
+        if self.rest is not None:  # the resumed turn continues exactly where it stopped
+            self.prompts.append(list(prompt_ids))
+            ids, self.rest = self.rest, None
+            return Generation(ids, [-0.75] * len(ids), self.version, "stop")
+        return await super().generate(prompt_ids, max_new_tokens, stop_ids, temperature, seed)
+
+
+async def test_suspended_mid_turn_resumes_with_each_token_tagged(envpool):
+    """A sample aborted under version 7 halfway through a tool call resumes under 8: the
+    turn is parsed whole, tokens before the cut keep version 7 and their logprobs, those
+    after carry 8, and the episode goes on in the same sandbox."""
+    suspend = asyncio.Event()
+    turn = "Reading." + tool_call("read_file", path="calc.py") + chat.EOS
+    engine = AbortingEngine([turn, "Done." + chat.EOS], cut=5, suspend=suspend)
+    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0, max_staleness=1)
+    partial = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend)
+    assert isinstance(partial, c.PartialSample) and partial.turn_tokens == 5 and partial.num_turns == 0
+    assert partial.sandbox is not None and partial.oldest_version() == 7
+    partial = c.PartialSample.model_validate_json(partial.model_dump_json())  # it travels as a message
+
+    # Suspended again before generating anything: nothing is lost or added.
+    again = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    assert again == partial
+    suspend.clear()
+    engine.version = 8
+    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 2 and t.finish_reason == "no_tool_call"
+    assert t.messages[2].role == "assistant" and t.messages[2].content == turn.removesuffix(chat.EOS)
+    assert t.messages[3].role == "tool" and t.messages[3].content == TASK.files["calc.py"]
+    gen = [i for i, m in enumerate(t.loss_mask) if m]
+    versions = [t.token_versions[i] for i in gen]
+    logprobs = [t.logprobs[i] for i in gen]
+    assert versions[:5] == [7] * 5 and set(versions[5:]) == {8}
+    assert logprobs[:5] == [-0.5] * 5 and logprobs[5] == -0.75
+    assert t.token_ids[: len(partial.token_ids)] == partial.token_ids
+    assert t.sandbox == partial.sandbox
+
+    # Two versions later the same partial is too stale to continue (max_staleness 1).
+    engine.version = 9
+    stale = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    assert isinstance(stale, Stale) and "2 versions old" in stale.detail

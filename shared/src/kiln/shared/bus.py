@@ -280,14 +280,23 @@ class Bus:
         stop: asyncio.Event,
         concurrency: int = 1,
         ready: asyncio.Event | None = None,
+        before: tuple[c.ConsumerSpec, ...] = (),
+        hold_back: Callable[[], bool] | None = None,
     ) -> None:
         """Pull from the durable ``spec`` and run ``handler`` until ``stop`` is set
-        (``ready`` is set once the consumer is bound)."""
-        await self.ensure_consumer(spec)
-        psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        (``ready`` is set once the consumer is bound).
+
+        ``before``: consumers (same message type) served first: every fetch tries them
+        in order and takes from ``spec`` only when they have nothing. ``hold_back()``
+        true: fetch from the ``before`` consumers only. ``concurrency`` bounds the
+        handlers in flight across all of them."""
+        order = (*before, spec)
+        subs = []
+        for sp in order:
+            await self.ensure_consumer(sp)
+            subs.append((sp, await self.js.pull_subscribe_bind(durable=sp.durable, stream=sp.stream), self.ack_wait(sp)))
         if ready is not None:
             ready.set()
-        ack_wait = self.ack_wait(spec)
         running: set[asyncio.Task] = set()
         try:
             while not stop.is_set():
@@ -295,25 +304,36 @@ class Bus:
                 if free <= 0:
                     await asyncio.wait(running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                try:
-                    msgs = await psub.fetch(batch=min(free, self.settings.fetch_batch), timeout=0.5)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    continue
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, OSError) as e:
-                    log.warning("fetch from %s failed (%s); retrying", spec.durable, e)
-                    await asyncio.sleep(0.5)
-                    continue
-                for m in msgs:
-                    t = asyncio.create_task(self._handle(spec, m, model, handler, ack_wait))
-                    running.add(t)
-                    t.add_done_callback(running.discard)
+                held_back = hold_back is not None and hold_back()
+                candidates = subs[:-1] if held_back else subs
+                for n, (sp, psub, ack_wait) in enumerate(candidates):
+                    last = n == len(candidates) - 1
+                    try:
+                        # Higher-priority consumers are polled briefly; the last one waits.
+                        msgs = await psub.fetch(batch=min(free, self.settings.fetch_batch), timeout=0.5 if last else 0.05)
+                    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                        continue
+                    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, OSError) as e:
+                        log.warning("fetch from %s failed (%s); retrying", sp.durable, e)
+                        await asyncio.sleep(0.5)
+                        break
+                    for m in msgs:
+                        t = asyncio.create_task(self._handle(sp, m, model, handler, ack_wait))
+                        running.add(t)
+                        t.add_done_callback(running.discard)
+                    if msgs:
+                        break
+                else:
+                    if not candidates:
+                        await asyncio.sleep(0.5)
         finally:
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
-            try:
-                await psub.unsubscribe()
-            except Exception:
-                pass
+            for _, psub, _ in subs:
+                try:
+                    await psub.unsubscribe()
+                except Exception:
+                    pass
 
     async def _handle(self, spec: c.ConsumerSpec, m: Msg, model: type[M], handler: Handler, ack_wait: float) -> None:
         md = m.metadata

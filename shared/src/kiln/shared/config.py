@@ -129,9 +129,23 @@ class AlgorithmSettings(Section):
     """Groups (tasks) in one training batch."""
     samples_per_group: int = Field(default=4, ge=1)
     """Rollouts per group (the G of GRPO)."""
+    mode: Literal["sync", "async", "april"] = "async"
+    """How generation and training overlap. ``sync``: dispatch one batch, train it, then
+    dispatch the next (``max_staleness`` is treated as 0). ``async``: up to
+    ``max_staleness`` versions of work in flight, engines take new versions mid-episode.
+    ``april``: active partial rollouts: ``overprovision`` x the groups a step needs are in
+    flight; once a batch is full, in-flight samples are suspended and resumed under the
+    next version."""
+    overprovision: float = Field(default=2.0, ge=1.0)
+    """``april``: groups kept in flight per step, as a multiple of ``groups_per_step``."""
+    partial_rollout: bool = True
+    """``april``: resume suspended samples where they stopped. False: discard what they
+    generated and run them again from scratch under the new version."""
     max_staleness: int = Field(default=0, ge=0)
-    """Maximum policy-version lag of a trained token (0 = strictly on-policy): older
-    tokens are masked out of the loss, and a group with no token left is dropped."""
+    """Maximum policy-version lag of a trained group, counted from its oldest generated
+    token to the version being trained, queue time included (0 = strictly on-policy).
+    Older work is dropped (reason ``stale``): by rollout before resuming it, by the
+    learner before training it."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; the learner computes logprobs at the same temperature."""
     clip_eps: float = Field(default=0.2, gt=0)

@@ -34,6 +34,15 @@ SCHEMA_VERSION = 1
 
 ROLLOUT_WORK = "kiln.rollout.work"
 """Controller -> rollout workers: one ``RolloutRequest`` per group (work queue)."""
+ROLLOUT_RESUME = "kiln.rollout.resume"
+"""Rollout -> rollout workers: a suspended group's ``RolloutRequest`` with the partial
+samples to resume (work queue; workers take it before any fresh group)."""
+ROLLOUT_CONTROL = "kiln.rollout.control"
+"""Controller -> every rollout worker: ``RolloutControl`` (``abort``: suspend in-flight
+samples now, resume them under the next version)."""
+ROLLOUT_ABANDONED = "kiln.rollout.abandoned"
+"""Rollout -> controller: ``GroupAbandoned`` for a group a worker will not finish
+(stale partials); the controller drops it with the reason (work queue)."""
 TRAJECTORY_FINISHED = "kiln.trajectory.finished"
 """Rollout -> reward: one ``Trajectory`` per sample, finished or failed by infrastructure."""
 TRAJECTORY_SCORED = "kiln.trajectory.scored"
@@ -147,6 +156,18 @@ STREAMS: tuple[StreamSpec, ...] = (
         description="groups waiting for a rollout worker",
     ),
     StreamSpec(
+        "KILN_ROLLOUT_RESUME",
+        (ROLLOUT_RESUME,),
+        Retention.WORK_QUEUE,
+        description="suspended groups (partial samples) waiting to resume, ahead of fresh work",
+    ),
+    StreamSpec(
+        "KILN_ROLLOUT_ABANDONED",
+        (ROLLOUT_ABANDONED,),
+        Retention.WORK_QUEUE,
+        description="groups rollout gave up on, waiting for the controller to drop them",
+    ),
+    StreamSpec(
         "KILN_TRAJECTORIES",
         (TRAJECTORY_FINISHED,),
         Retention.WORK_QUEUE,
@@ -172,8 +193,8 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         "KILN_EVENTS",
-        (GROUP_DROPPED, STEP_METRICS, RUN_EVENTS),
-        description="dropped-log, step metrics and run lifecycle events",
+        (GROUP_DROPPED, STEP_METRICS, RUN_EVENTS, ROLLOUT_CONTROL),
+        description="dropped-log, step metrics, run lifecycle and rollout control events",
     ),
     StreamSpec(
         "KILN_DLQ",
@@ -191,6 +212,23 @@ ROLLOUT_WORKERS = ConsumerSpec(
     max_deliver=4,
     max_ack_pending=256,
     description="shared by every rollout replica",
+)
+ROLLOUT_RESUMERS = ConsumerSpec(
+    "KILN_ROLLOUT_RESUME",
+    "rollout-resume",
+    ROLLOUT_RESUME,
+    ack_wait_s=60.0,
+    max_deliver=4,
+    max_ack_pending=256,
+    description="suspended groups, shared by every rollout replica",
+)
+ABANDONED = ConsumerSpec(
+    "KILN_ROLLOUT_ABANDONED",
+    "controller-abandoned",
+    ROLLOUT_ABANDONED,
+    ack_wait_s=30.0,
+    max_deliver=10,
+    description="the controller drops each abandoned group once",
 )
 REWARD_WORKERS = ConsumerSpec(
     "KILN_TRAJECTORIES",
@@ -218,7 +256,7 @@ WEIGHTS_WRITERS = ConsumerSpec(
     description="shared by every weights replica",
 )
 
-CONSUMERS: tuple[ConsumerSpec, ...] = (ROLLOUT_WORKERS, REWARD_WORKERS, LEARNER, WEIGHTS_WRITERS)
+CONSUMERS: tuple[ConsumerSpec, ...] = (ROLLOUT_WORKERS, ROLLOUT_RESUMERS, ABANDONED, REWARD_WORKERS, LEARNER, WEIGHTS_WRITERS)
 
 
 def stream_for_subject(subject: str) -> StreamSpec:
@@ -274,6 +312,16 @@ class RolloutRequest(Message):
     """Unix time after which the controller drops the group (reason ``deadline``)."""
     sample_traces: list[str] = Field(default_factory=list)
     """W3C ``traceparent`` per sample: every trajectory is its own trace, rooted at dispatch."""
+    samples: list[int] | None = None
+    """Sample indices still to run (a resumed group); None = all ``n_samples``."""
+    partials: list[PartialSample] = Field(default_factory=list)
+    """Suspended samples to continue where they stopped; samples in ``samples`` without
+    one start from scratch."""
+    suspensions: int = 0
+    """How many times this group has been suspended (part of its resume message id)."""
+    resume_version: int = 0
+    """A resumed group runs only on a worker serving at least this version (the one whose
+    batch filled when it was suspended)."""
 
     @model_validator(mode="after")
     def _traces_match_samples(self) -> RolloutRequest:
@@ -374,6 +422,32 @@ class Trajectory(Message):
 
     def generated_versions(self) -> list[int]:
         return [v for v, m in zip(self.token_versions, self.loss_mask) if m]
+
+
+class PartialSample(Message):
+    """A sample suspended mid-episode (APRIL): everything needed to continue it on any
+    worker. Token arrays are parallel as in ``Trajectory``; ``turn_tokens`` generated
+    tokens of the open assistant turn (already in ``token_ids``)."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    loss_mask: list[int]
+    messages: list[ChatMessage]
+    num_turns: int
+    """Completed assistant turns."""
+    turn_tokens: int = 0
+    malformed_tool_calls: int = 0
+    sandbox: SandboxRef | None = None
+    """The sample's sandbox, still leased; None once lost (the resume fails the sample as
+    an infrastructure error)."""
+    started_at: float
+    worker_id: str = ""
+
+    def oldest_version(self) -> int | None:
+        gen = [v for v, m in zip(self.token_versions, self.loss_mask) if m]
+        return min(gen) if gen else None
 
 
 class CaseStatus(str, Enum):
@@ -481,6 +555,29 @@ class StepMetrics(Message):
     """Time the learner waited for a full batch before this step (its idle time)."""
     tokens: int
     elapsed_seconds: float
+    generated_tokens: int = 0
+    """Trained (generated) tokens in the batch."""
+    off_policy_tokens: int = 0
+    """Of those, tokens sampled by an older policy than the one this step starts from."""
+
+
+class RolloutControl(Message):
+    """``abort``: the learner's batch for ``version`` is full; workers suspend what they
+    are generating and resume it once they serve ``version`` or later."""
+
+    run_id: str
+    kind: Literal["abort"]
+    version: int
+    at: float = Field(default_factory=time.time)
+
+
+class GroupAbandoned(Message):
+    """A group rollout will not finish (``reason``: ``stale``); the controller drops it."""
+
+    run_id: str
+    group_id: str
+    reason: str
+    detail: str = ""
 
 
 class RunEvent(Message):
@@ -602,6 +699,9 @@ class HealthReply(Message):
 
 SUBJECT_MESSAGES: dict[str, type[Message]] = {
     ROLLOUT_WORK: RolloutRequest,
+    ROLLOUT_RESUME: RolloutRequest,
+    ROLLOUT_CONTROL: RolloutControl,
+    ROLLOUT_ABANDONED: GroupAbandoned,
     TRAJECTORY_FINISHED: Trajectory,
     TRAJECTORY_SCORED: ScoredTrajectory,
     WEIGHTS_CHECKPOINT: PolicyCheckpoint,
@@ -623,3 +723,5 @@ ENVPOOL_NODE_MESSAGES: dict[str, tuple[type[Message], type[Message]]] = {
     "destroy": (SandboxDestroy, SandboxDestroyed),
     "stats": (NodeStatsRequest, NodeStats),
 }
+
+RolloutRequest.model_rebuild()

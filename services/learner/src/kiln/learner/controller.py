@@ -7,10 +7,15 @@ Invariants:
   produced) or ``dropped`` with a reason (``stale``, ``infra_error``, ``deadline``,
   ``run_finished``), or is still in flight; the row is written before the request is
   published and ended by a conditional update, so no group is lost or ended twice;
-- admission control bounds staleness: groups are dispatched only while
-  ``dispatched <= min(steps, published_version + max_staleness + 1) * groups_per_step
-  + dropped``; with ``max_staleness = 0`` every group is generated and trained under
-  the same version (a synchronous loop); a drop frees a slot for a replacement;
+- admission control bounds staleness (modes ``sync`` and ``async``): groups are
+  dispatched only while ``dispatched <= min(steps, published_version + s + 1) *
+  groups_per_step + dropped``, ``s`` = ``max_staleness`` (0 in ``sync``: every group is
+  generated and trained under one version); a drop frees a slot for a replacement;
+- ``april`` keeps ``ceil(overprovision * groups_per_step)`` groups in flight, and when a
+  batch is full it tells rollout to suspend the rest (``abort``), which then resume
+  under the next version; their staleness is bounded where they resume (rollout
+  abandons stale groups, and the controller drops them as ``stale``) and again where
+  they train;
 - each sample of a group is its own trace: the controller starts one ``dispatch`` span
   per sample and sends its ``traceparent`` in the request;
 - the data cursor is the group index: group ``n`` of a run always gets the same task
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from datetime import datetime, timezone
@@ -148,10 +154,22 @@ class Controller:
         async with self._lock:
             if self.finished.is_set() or self.published_version < 0:
                 return
-            horizon = min(a.steps, self.published_version + a.max_staleness + 1)
+            if a.mode == "april":
+                target = math.ceil(a.overprovision * a.groups_per_step)
+                total = a.steps * a.groups_per_step + target - a.groups_per_step
+                while len(self.inflight) < target and self.dispatched - self.dropped < total:
+                    await self._dispatch()
+                return
+            staleness = 0 if a.mode == "sync" else a.max_staleness
+            horizon = min(a.steps, self.published_version + staleness + 1)
             allowed = horizon * a.groups_per_step + self.dropped
             while self.dispatched < allowed:
                 await self._dispatch()
+
+    async def signal_abort(self, version: int) -> None:
+        """The batch that makes ``version`` is full: suspend what rollout is generating."""
+        if self.cfg.algorithm.mode == "april" and len(self.inflight) > self.cfg.algorithm.groups_per_step:
+            await self.ctx.bus.publish(c.ROLLOUT_CONTROL, c.RolloutControl(run_id=self.run_id, kind="abort", version=version))
 
     async def _dispatch(self) -> None:
         a = self.cfg.algorithm

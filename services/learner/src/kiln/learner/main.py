@@ -77,9 +77,13 @@ async def serve(ctx: ServiceContext) -> None:
 
         watcher = asyncio.create_task(until_done())
         expiry = asyncio.create_task(deadlines())
+        abandoned = asyncio.create_task(
+            ctx.bus.consume(c.ABANDONED, c.GroupAbandoned, lambda m, _d: trainer.on_abandoned(m), stop=done)
+        )
         await ctx.bus.consume(c.LEARNER, c.ScoredTrajectory, trainer.on_scored, stop=done, ready=ctx.ready)
         await watcher
         await expiry
+        await abandoned
         await trainer.release(run_finished=controller.finished.is_set())
         if not controller.finished.is_set():
             log.info("stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps)

@@ -6,9 +6,10 @@ Invariants:
   dropped; a learner that dies before that gets every such message redelivered;
 - a group enters a batch only when all its samples are scored; ``infra_error``
   trajectories are excluded from its advantage statistics, and a group with no valid
-  sample, or whose every generated token is older than ``max_staleness`` versions, is
-  dropped with that reason instead of trained (older tokens of a trained group are
-  masked out of the loss, token by token);
+  sample, or whose oldest generated token is more than ``max_staleness`` versions
+  behind the version it would train (``sync``: 0), is dropped with that reason instead
+  of trained, so no stale group ever reaches a step;
+- in ``april`` mode a full batch first tells rollout to suspend what it is generating;
 - the version a step produces is ``step + 1``; the trajectories it trained are stamped
   with it in the database (``trained_version``);
 - the learner's whole state after a step is committed to a checkpoint (``state.py``)
@@ -119,7 +120,14 @@ class Trainer:
             return
         await self._group_complete(t.group_id)
         if len(self.ready) >= self.cfg.algorithm.groups_per_step:
+            await self.controller.signal_abort(self.step + 1)
             await self._train()
+
+    async def on_abandoned(self, msg: c.GroupAbandoned) -> None:
+        """Rollout gave up on a group (stale partials): drop it, releasing what we hold."""
+        async with self._lock:
+            if msg.run_id == self.cfg.run.id and self.controller.is_inflight(msg.group_id) and msg.group_id not in self.ready:
+                await self._drop(msg.group_id, msg.reason, msg.detail)
 
     async def _group_complete(self, gid: str) -> None:
         samples = [s for s, _ in self.pending[gid].values()]
@@ -127,14 +135,19 @@ class Trainer:
         if not valid:
             await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
             return
-        versions = [v for s in valid for v in s.trajectory.generated_versions()]
-        # Stale tokens are masked out of the loss one by one; a group is dropped only
-        # when none of its tokens is recent enough to train.
-        lag = self.controller.published_version - max(versions) if versions else 0
-        if lag > self.cfg.algorithm.max_staleness:
-            await self._drop(gid, "stale", f"newest token is {lag} versions old (max {self.cfg.algorithm.max_staleness})")
-            return
-        self.ready.append(gid)
+        if not await self._drop_if_stale(gid):
+            self.ready.append(gid)
+
+    async def _drop_if_stale(self, gid: str) -> bool:
+        a = self.cfg.algorithm
+        limit = 0 if a.mode == "sync" else a.max_staleness
+        versions = [v for s, _ in self.pending[gid].values() if not s.infra_error for v in s.trajectory.generated_versions()]
+        # Counted against the version this learner trains now, so queue time counts too.
+        lag = self.step - min(versions) if versions else 0
+        if lag > limit:
+            await self._drop(gid, "stale", f"oldest token is {lag} versions old (max {limit})")
+            return True
+        return False
 
     async def _drop(self, gid: str, reason: str, detail: str) -> None:
         held = self.pending.pop(gid, {})
@@ -166,6 +179,7 @@ class Trainer:
                 passes.append(s.passed)
         version = self.step + 1
         staleness = [version - 1 - min(t.generated_versions() or [version - 1]) for t, _ in batch]
+        generated = [v for t, _ in batch for v in t.generated_versions()]
         with self.ctx.tracer.start_as_current_span(
             "learner.train_step",
             links=[trace.Link(trace.get_current_span(extract_context(d.headers)).get_span_context()) for _, d in used],
@@ -211,6 +225,8 @@ class Trainer:
             wait_seconds=waited,
             tokens=stats.tokens,
             elapsed_seconds=time.monotonic() - self.started,
+            generated_tokens=len(generated),
+            off_policy_tokens=sum(v < version - 1 for v in generated),
         )
         await self.ctx.bus.publish(c.STEP_METRICS, metrics)
         self.controller.step_recorded(version)
@@ -220,6 +236,9 @@ class Trainer:
             stats.seconds, waited,
         )
         self.idle_since = time.monotonic()
+        for gid in list(self.ready):  # complete groups left for the next step have aged by one version
+            if await self._drop_if_stale(gid):
+                self.ready.remove(gid)
 
     async def release(self, run_finished: bool) -> None:
         """Settle every message still held: acked when the run finished (their groups were

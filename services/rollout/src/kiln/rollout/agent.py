@@ -13,11 +13,18 @@ Invariants of the trajectory it returns:
   ``{"error": ...}`` observation and counted, never raised;
 - a failure of the infrastructure (env-pool unreachable, sandbox lost) ends the
   episode with ``status = infra_error`` and the cause, so reward and the learner can
-  mask it instead of scoring it 0.
+  mask it instead of scoring it 0;
+- an episode is resumable: when ``suspend`` is set (an APRIL abort) it stops at once,
+  mid-generation or between turns, and returns a ``PartialSample`` holding everything
+  sampled so far; ``run_episode(..., resume=partial)`` continues it exactly there, on
+  any worker, and the tokens it adds carry the versions that produced them;
+- an episode whose oldest generated token is more than ``max_staleness`` versions
+  behind the engine is not continued: it returns ``Stale`` so its group is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -48,6 +55,15 @@ class EpisodeSpec:
     worker_id: str
     seed: int
     temperature: float
+    max_staleness: int | None = None
+    """None: no staleness check (sync and async modes leave it to the learner)."""
+
+
+@dataclass
+class Stale:
+    sample_index: int
+    detail: str
+    sandbox: c.SandboxRef | None
 
 
 class _Sequence:
@@ -63,11 +79,15 @@ class _Sequence:
         self.versions += [-1] * len(ids)
         self.mask += [0] * len(ids)
 
-    def generated(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
         self.ids += ids
         self.logprobs += logprobs
-        self.versions += [version] * len(ids)
+        self.versions += versions
         self.mask += [1] * len(ids)
+
+    def oldest(self) -> int | None:
+        gen = [v for v, m in zip(self.versions, self.mask) if m]
+        return min(gen) if gen else None
 
 
 def clip_text(text: str, limit: int) -> str:
@@ -84,14 +104,14 @@ async def run_episode(
     envpool: EnvPoolClient,
     settings: RolloutSettings,
     tracer: trace.Tracer,
-) -> c.Trajectory:
+    *,
+    suspend: asyncio.Event | None = None,
+    resume: c.PartialSample | None = None,
+) -> c.Trajectory | c.PartialSample | Stale:
     req, task = spec.request, spec.task
     eos = special_id(tokenizer, chat.EOS)
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
     seq = _Sequence()
-    system = chat.SYSTEM_PROMPT
-    messages = [c.ChatMessage(role="system", content=system), c.ChatMessage(role="user", content=task.problem_statement)]
-    seq.context(enc(chat.render_system(system, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
     traj = dict(
         run_id=req.run_id,
         trajectory_id=f"{req.group_id}-s{spec.sample_index}",
@@ -102,38 +122,73 @@ async def run_episode(
         worker_id=spec.worker_id,
         started_at=time.time(),
     )
-    malformed = 0
-    turns = 0
-    finish = "max_turns"
-    try:
-        sandbox = await envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s)
-    except RemoteError as e:
-        return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", 0, 0, "error", None)
+    turn_ids: list[int] = []  # generated tokens of the open assistant turn
+    if resume is None:
+        system = chat.SYSTEM_PROMPT
+        messages = [c.ChatMessage(role="system", content=system), c.ChatMessage(role="user", content=task.problem_statement)]
+        seq.context(enc(chat.render_system(system, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
+        malformed = turns = 0
+        try:
+            sandbox = await envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s)
+        except RemoteError as e:
+            return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", 0, 0, "error", None)
+    else:
+        seq.ids, seq.logprobs = list(resume.token_ids), list(resume.logprobs)
+        seq.versions, seq.mask = list(resume.token_versions), list(resume.loss_mask)
+        messages = list(resume.messages)
+        malformed, turns, sandbox = resume.malformed_tool_calls, resume.num_turns, resume.sandbox
+        turn_ids = seq.ids[len(seq.ids) - resume.turn_tokens :] if resume.turn_tokens else []
+        traj["started_at"] = resume.started_at
+        if sandbox is None:
+            return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, "sandbox lost while suspended", turns, malformed, "error", None)
 
-    for turn in range(settings.max_turns):
-        budget = min(settings.max_new_tokens, settings.max_total_tokens - len(seq.ids) - 1)
-        if budget <= 0:
+    def suspended() -> c.PartialSample:
+        return c.PartialSample(
+            sample_index=spec.sample_index, token_ids=seq.ids, logprobs=seq.logprobs, token_versions=seq.versions,
+            loss_mask=seq.mask, messages=messages, num_turns=turns, turn_tokens=len(turn_ids),
+            malformed_tool_calls=malformed, sandbox=sandbox, started_at=traj["started_at"], worker_id=spec.worker_id,
+        )  # fmt: skip
+
+    finish = "max_turns"
+    while turns < settings.max_turns:
+        budget = min(settings.max_new_tokens - len(turn_ids), settings.max_total_tokens - len(seq.ids) - 1)
+        if budget <= 0 and not turn_ids:
             finish = "max_tokens"
             break
         if time.time() > req.deadline:
             finish = "deadline"
             break
-        with tracer.start_as_current_span("rollout.generate", attributes={"turn": turn}) as span:
-            gen = await engine.generate(seq.ids, budget, {eos}, spec.temperature, spec.seed * 1000 + turn)
-            span.set_attribute("policy.version", gen.version)
-            span.set_attribute("tokens", len(gen.token_ids))
+        oldest = seq.oldest()
+        if spec.max_staleness is not None and oldest is not None and engine.version - oldest > spec.max_staleness:
+            return Stale(spec.sample_index, f"oldest token is {engine.version - oldest} versions old (max {spec.max_staleness})", sandbox)
+        if suspend is not None and suspend.is_set():
+            return suspended()
+        if budget > 0:
+            with tracer.start_as_current_span("rollout.generate", attributes={"turn": turns, "resumed_tokens": len(turn_ids)}) as span:
+                gen = await engine.generate(seq.ids, budget, {eos}, spec.temperature, spec.seed * 1000 + turns * 37 + len(turn_ids))
+                span.set_attribute("policy.version", gen.version)
+                span.set_attribute("tokens", len(gen.token_ids))
+                span.set_attribute("finish_reason", gen.finish_reason)
+            seq.generated(gen.token_ids, gen.logprobs, gen.versions)
+            turn_ids += gen.token_ids
+            if gen.finish_reason == "abort":
+                return suspended()
+            stopped = gen.finish_reason == "stop"
+        else:
+            stopped = False  # the turn's budget was spent before a suspension
         turns += 1
-        seq.generated(gen.token_ids, gen.logprobs, gen.version)
-        text_ids = gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids
+        text_ids = turn_ids[:-1] if stopped else turn_ids
         text = tokenizer.decode(text_ids, skip_special_tokens=False)
+        turn_version = seq.versions[-1] if turn_ids else engine.version
+        turn_ids = []
         # Close the turn the way the chat template does; only generated tokens are trained.
-        seq.context(enc("\n") if gen.finish_reason == "stop" else [eos] + enc("\n"))
+        seq.context(enc("\n") if stopped else [eos] + enc("\n"))
         parsed = chat.parse_tool_calls(text)
         messages.append(
             c.ChatMessage(
                 role="assistant",
                 content=text,
-                version=gen.version,
+                version=turn_version,
                 tool_calls=[c.ToolCall(id=p.id, name=p.name or "?", arguments=p.arguments if isinstance(p.arguments, dict) else {}) for p in parsed],
             )
         )

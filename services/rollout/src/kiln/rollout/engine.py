@@ -1,9 +1,22 @@
 """Inference engines behind one interface.
 
 ``InferenceEngine``: ``generate`` continues a token sequence and returns the new tokens
-with their logprobs and the policy version that produced them; ``load`` swaps in a
-new version. Invariant: one ``generate`` call runs under one version (a weight swap
-waits for it), so the version tag of every token is exact.
+with their logprobs and, token by token, the policy version that produced them;
+``load`` swaps in a new version; ``abort`` makes every ``generate`` in flight return at
+once with what it has (``finish_reason = "abort"``).
+
+Invariants:
+- the version tag of every token is exact: an engine that swaps weights in the middle
+  of a generation (vLLM with ``pause_generation(mode="keep")``, ``sim``) tags the tokens
+  after the swap with the new version;
+- logprobs are the behaviour policy's, at the sampling temperature, as the engine
+  computed them (never recomputed: engines are not bit-stable across reloads);
+- an aborted generation keeps its tokens: nothing sampled is lost, the caller decides
+  whether to resume from it or discard it.
+
+Implementations: ``TorchEngine`` (the shared model in-process), ``VllmEngine``
+(``kiln.rollout.vllm_engine``), ``SimEngine`` (``kiln.rollout.sim``: no model, timing
+and lengths from config, for benchmarks and scheduling tests only).
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,8 +39,17 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     version: int
+    """Version at the end of the generation (of its last token)."""
     finish_reason: str
-    """``stop`` (a stop token was generated, included) or ``length``."""
+    """``stop`` (a stop token was generated, included), ``length`` or ``abort``."""
+    versions: list[int] = field(default_factory=list)
+    """Per-token versions; empty = every token is ``version``."""
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            self.versions = [self.version] * len(self.token_ids)
+        if not (len(self.versions) == len(self.logprobs) == len(self.token_ids)):
+            raise ValueError("token_ids, logprobs and versions must have equal length")
 
 
 class InferenceEngine(ABC):
@@ -41,6 +63,13 @@ class InferenceEngine(ABC):
     @abstractmethod
     async def load(self, version: int, folder: Path) -> None: ...
 
+    @abstractmethod
+    async def abort(self) -> None:
+        """Every ``generate`` in flight returns now with its tokens (``abort``)."""
+
+    async def close(self) -> None:
+        """Release the engine's resources (processes, memory)."""
+
 
 class TorchEngine(InferenceEngine):
     """The shared policy model in this process, with a KV cache per call."""
@@ -50,6 +79,7 @@ class TorchEngine(InferenceEngine):
         self.model: MoEForCausalLM | None = None
         self.version = -1
         self._lock = threading.Lock()
+        self._abort = 0  # generation counter: a generate started before an abort stops
 
     async def load(self, version: int, folder: Path) -> None:
         def _load():
@@ -76,11 +106,17 @@ class TorchEngine(InferenceEngine):
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         if self.model is None:
             raise RuntimeError("engine has no weights loaded yet")
-        return await asyncio.to_thread(self._generate, list(prompt_ids), max_new_tokens, stop_ids, temperature, seed)
+        epoch = self._abort
+        return await asyncio.to_thread(self._generate, list(prompt_ids), max_new_tokens, stop_ids, temperature, seed, epoch)
+
+    async def abort(self) -> None:
+        self._abort += 1
 
     @torch.no_grad()
-    def _generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
+    def _generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed, epoch: int = 0) -> Generation:
         with self._lock:
+            if self._abort != epoch:
+                return Generation([], [], self.version, "abort")
             model, version = self.model, self.version
             g = torch.Generator().manual_seed(seed)
             cache = [[] for _ in model.layers]
@@ -89,6 +125,9 @@ class TorchEngine(InferenceEngine):
             pos = len(prompt_ids)
             out, lps, reason = [], [], "length"
             for _ in range(max_new_tokens):
+                if self._abort != epoch:
+                    reason = "abort"
+                    break
                 probs = torch.softmax(last.float() / temperature, dim=-1)
                 tok = int(torch.multinomial(probs, 1, generator=g))
                 out.append(tok)

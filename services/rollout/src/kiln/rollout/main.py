@@ -1,8 +1,9 @@
 """rollout entrypoint: ``python -m kiln.rollout.main``.
 
 Watches ``kiln.weights.published.<run_id>`` (starting from the latest version) and
-pulls ``RolloutRequest``s from the shared ``rollout-workers`` consumer, so any number
-of replicas share the work.
+pulls ``RolloutRequest``s from the shared ``rollout-resume`` (suspended groups, first)
+and ``rollout-workers`` consumers, so any number of replicas share the work; watches
+``kiln.rollout.control`` for APRIL aborts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kiln.shared.service import ServiceContext, service_main
 from kiln.shared.tasks import load_suite
 
 from kiln.rollout.config import RolloutConfig
-from kiln.rollout.engine import TorchEngine
+from kiln.rollout.engine import InferenceEngine, TorchEngine
 from kiln.rollout.worker import RolloutWorker
 
 log = logging.getLogger("kiln.rollout")
@@ -26,13 +27,39 @@ async def serve(ctx: ServiceContext) -> None:
     cfg: RolloutConfig = ctx.config  # type: ignore[assignment]
     if not cfg.run.id:
         raise ValueError("run.id is empty: rollout serves one run (set KILN_RUN__ID or start with `kiln run`)")
-    worker = RolloutWorker(ctx, TorchEngine(cfg.rollout.torch_threads), load_suite(cfg.tasks.suite))
-    await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
-    if cfg.weights.fetch == "broadcast":
-        start_broadcast_receiver(worker, asyncio.get_running_loop())
-    await ctx.bus.consume(
-        c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups, ready=ctx.ready
-    )
+    if cfg.weights.fetch == "broadcast" and cfg.rollout.engine != "torch":
+        raise ValueError(
+            f"weights.fetch = 'broadcast' delivers tensors, which only rollout.engine = 'torch' takes;"
+            f" engine {cfg.rollout.engine!r} reads versions from files (weights.fetch = 'fs' or 'http')"
+        )
+    engine = make_engine(cfg, ctx.instance)
+    worker = RolloutWorker(ctx, engine, load_suite(cfg.tasks.suite))
+    ctx.health_detail["engine"] = cfg.rollout.engine
+    try:
+        await ctx.bus.watch(c.ROLLOUT_CONTROL, c.RolloutControl, worker.on_control, deliver="new")
+        await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
+        if cfg.weights.fetch == "broadcast":
+            start_broadcast_receiver(worker, asyncio.get_running_loop())
+        await ctx.bus.consume(
+            c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups,
+            ready=ctx.ready, before=(c.ROLLOUT_RESUMERS,), hold_back=worker.holding_back,
+        )  # fmt: skip
+    finally:
+        await engine.close()
+
+
+def make_engine(cfg: RolloutConfig, instance: str) -> InferenceEngine:
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from kiln.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(r.vllm, instance)
+    if r.engine == "sim":
+        from kiln.rollout.sim import SimEngine
+
+        log.warning("engine = sim: tokens are random and logprobs made up (benchmarks and tests only)")
+        return SimEngine(r.sim)
+    return TorchEngine(r.torch_threads)
 
 
 def start_broadcast_receiver(worker: RolloutWorker, loop: asyncio.AbstractEventLoop) -> threading.Thread:
