@@ -122,6 +122,29 @@ async def test_budgets_end_the_episode(envpool):
     assert t.finish_reason == "max_tokens" and t.num_turns == 0
 
 
+async def test_first_turn_generates_while_the_sandbox_is_created(envpool, monkeypatch):
+    events = []
+    create = envpool.create
+
+    async def slow_create(*a, **kw):
+        events.append("create-start")
+        await asyncio.sleep(0.5)
+        ref = await create(*a, **kw)
+        events.append("create-done")
+        return ref
+
+    class Recording(ScriptedEngine):
+        async def generate(self, *a, **kw):
+            events.append("generate")
+            return await super().generate(*a, **kw)
+
+    monkeypatch.setattr(envpool, "create", slow_create)
+    t = await episode(Recording(["Reading." + tool_call("read_file", path="calc.py") + chat.EOS, "Done." + chat.EOS]), envpool)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 2
+    assert events == ["generate", "create-start", "create-done", "generate"]  # turn 1 did not wait for the sandbox
+    assert "def " in t.messages[3].content  # the tool ran in the sandbox once it existed
+
+
 async def test_unknown_task_sandbox_is_an_infra_error(envpool):
     spec = EpisodeSpec(request=request(), sample_index=0, task=TASK.model_copy(update={"id": "nope"}), worker_id="w", seed=1, temperature=1.0)
     t = await run_episode(spec, ScriptedEngine(["hi" + chat.EOS]), TOK, envpool, RolloutSettings(), trace.get_tracer("t"))

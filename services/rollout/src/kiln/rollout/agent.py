@@ -19,7 +19,11 @@ Invariants of the trajectory it returns:
   sampled so far; ``run_episode(..., resume=partial)`` continues it exactly there, on
   any worker, and the tokens it adds carry the versions that produced them;
 - an episode whose oldest generated token is more than ``max_staleness`` versions
-  behind the engine is not continued: it returns ``Stale`` so its group is dropped.
+  behind the engine is not continued: it returns ``Stale`` so its group is dropped;
+- the first turn does not wait for the sandbox: its creation runs alongside the first
+  generation (the prompt needs only the task and the tool schemas) and is awaited
+  where the sandbox is first needed (tools, the final diff, a suspension), so
+  provisioning latency overlaps generation instead of adding to it.
 """
 
 from __future__ import annotations
@@ -128,11 +132,10 @@ async def run_episode(
         messages = [c.ChatMessage(role="system", content=system), c.ChatMessage(role="user", content=task.problem_statement)]
         seq.context(enc(chat.render_system(system, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
         malformed = turns = 0
-        try:
-            sandbox = await envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s)
-        except RemoteError as e:
-            return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", 0, 0, "error", None)
+        sandbox = None
+        creating = asyncio.create_task(envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s))
     else:
+        creating = None
         seq.ids, seq.logprobs = list(resume.token_ids), list(resume.logprobs)
         seq.versions, seq.mask = list(resume.token_versions), list(resume.loss_mask)
         messages = list(resume.messages)
@@ -142,7 +145,20 @@ async def run_episode(
         if sandbox is None:
             return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, "sandbox lost while suspended", turns, malformed, "error", None)
 
-    def suspended() -> c.PartialSample:
+    async def lease() -> c.Trajectory | None:
+        """Wait for the sandbox being created; the infra-error trajectory if that failed."""
+        nonlocal sandbox, creating
+        if creating is not None:
+            pending, creating = creating, None
+            try:
+                sandbox = await pending
+            except RemoteError as e:
+                return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", turns, malformed, "error", None)
+        return None
+
+    async def suspended() -> c.PartialSample | c.Trajectory:
+        if failed := await lease():
+            return failed
         return c.PartialSample(
             sample_index=spec.sample_index, token_ids=seq.ids, logprobs=seq.logprobs, token_versions=seq.versions,
             loss_mask=seq.mask, messages=messages, num_turns=turns, turn_tokens=len(turn_ids),
@@ -160,9 +176,11 @@ async def run_episode(
             break
         oldest = seq.oldest()
         if spec.max_staleness is not None and oldest is not None and engine.version - oldest > spec.max_staleness:
+            if failed := await lease():
+                return failed
             return Stale(spec.sample_index, f"oldest token is {engine.version - oldest} versions old (max {spec.max_staleness})", sandbox)
         if suspend is not None and suspend.is_set():
-            return suspended()
+            return await suspended()
         if budget > 0:
             with tracer.start_as_current_span("rollout.generate", attributes={"turn": turns, "resumed_tokens": len(turn_ids)}) as span:
                 gen = await engine.generate(seq.ids, budget, {eos}, spec.temperature, spec.seed * 1000 + turns * 37 + len(turn_ids))
@@ -172,7 +190,7 @@ async def run_episode(
             seq.generated(gen.token_ids, gen.logprobs, gen.versions)
             turn_ids += gen.token_ids
             if gen.finish_reason == "abort":
-                return suspended()
+                return await suspended()
             stopped = gen.finish_reason == "stop"
         else:
             stopped = False  # the turn's budget was spent before a suspension
@@ -210,6 +228,8 @@ async def run_episode(
                 continue
             valid.append(c.ToolCall(id=p.id, name=p.name, arguments=p.arguments))
         if valid:
+            if failed := await lease():
+                return failed
             try:
                 with tracer.start_as_current_span("rollout.tools", attributes={"calls": len(valid)}):
                     for r in await envpool.tools(sandbox, valid, timeout_s=settings.tool_timeout_s):
@@ -222,6 +242,8 @@ async def run_episode(
         for p, r in zip(parsed, ordered):
             messages.append(c.ChatMessage(role="tool", content=r, tool_call_id=p.id))
         seq.context(enc(chat.render_tool_results(ordered) + chat.assistant_prefix()))
+    if failed := await lease():
+        return failed
     try:  # the final workspace as a diff: reward can rebuild it if the sandbox is lost
         final_diff = await envpool.diff(sandbox)
     except RemoteError as e:

@@ -19,6 +19,14 @@ checkpoint layout, because ``UnquantizedFusedMoEMethod`` skips the CPU experts' 
 on a weight update, so every generation after a reload samples from garbage.
 ``repack_cpu_experts`` (run in the engine process after each reload) redoes the prepack;
 ``test_engines`` checks the reloaded engine's logprobs against the new policy's.
+
+Second trap (measured, ``bench/vllm_rollout.py``): when a seeded request's prompt is
+prefilled in chunks (many prompts in flight, more than ``max_num_batched_tokens``), the
+model runner "rewinds" the request's generator for the discarded sample with
+``set_offset``, which only CUDA (Philox) generators have: a CPU generator raises and the
+engine core dies. ``guard_cpu_generators`` (run once after start) hides CPU generators
+from that rewind; the only cost is that a chunked seeded request draws from its stream
+one sample later than an unchunked one would.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ class VllmEngine(InferenceEngine):
         async with self._swap:
             if self.llm is None:
                 await asyncio.to_thread(self._start, folder)
+                await self.llm.collective_rpc("guard_cpu_generators")
                 await self.llm.update_weight_version(str(version))
                 self.version = version
                 return
@@ -156,3 +165,27 @@ class KilnWorkerExtension:
                 experts.process_weights_after_loading(layer)
                 n += 1
         return n
+
+    def guard_cpu_generators(self) -> bool:
+        """Make the runner's discarded-sample rewind skip CPU generators (see the module
+        docstring). Returns whether the guard was installed (False on GPU)."""
+        from vllm.platforms import current_platform
+
+        runner = self.model_runner
+        if not current_platform.is_cpu() or getattr(runner, "_kiln_guarded", False):
+            return False
+        original = runner._bookkeeping_sync
+
+        def bookkeeping(*args, **kwargs):
+            gens = runner.input_batch.generators
+            hidden = {i: g for i, g in gens.items() if g.device.type == "cpu"}
+            for i in hidden:
+                del gens[i]
+            try:
+                return original(*args, **kwargs)
+            finally:
+                gens.update(hidden)
+
+        runner._bookkeeping_sync = bookkeeping
+        runner._kiln_guarded = True
+        return True
