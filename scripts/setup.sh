@@ -12,11 +12,13 @@ say() { printf '[setup] %s\n' "$*"; }
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || {
   say "Python >= 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11"; exit 1; }
 
-# --- system packages: bubblewrap + ripgrep (sandboxes, grep tool), PostgreSQL server (tests, embedded DB)
+# --- system packages: bubblewrap + ripgrep (sandboxes, grep tool), PostgreSQL server (tests, embedded DB), chromium (dashboard test)
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v rg >/dev/null || need+=(ripgrep)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || need+=(postgresql)
+# Headless Chromium: the dashboard test renders the pages in a real browser.
+command -v chromium >/dev/null || need+=(chromium)
 if ((${#need[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing system packages: ${need[*]}"

@@ -486,3 +486,58 @@ def test_env_pool_can_start_bubblewrap_sandboxes(compose):
     assert "privileged" not in svc and not svc.get("cap_add"), "env-pool must not be privileged"
     size = str(svc.get("shm_size", "64mb")).lower()
     assert size.endswith("gb") or int(re.sub(r"\D", "", size) or 0) >= 1024, "workspaces need more /dev/shm than 64 MB"
+
+
+# --- Prometheus and Grafana -----------------------------------------------------------
+
+DEPLOY = ROOT / "deploy"
+
+
+def test_every_kiln_service_exposes_metrics_prometheus_scrapes(compose, registry):
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {}
+    for job in prom["scrape_configs"]:
+        assert job["authorization"]["type"] == "Bearer", f"{job['job_name']} scrapes without the token"
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                targets[name] = sd["port"]
+    assert set(targets) == set(registry), f"Prometheus scrapes {sorted(targets)}, the services are {sorted(registry)}"
+    for name, port in targets.items():
+        env = _env(_service(compose, name))
+        if name == "env-pool":  # its operator API serves /metrics
+            assert env["KILN_ENVPOOL__HTTP_PORT"] == str(port) and env["KILN_ENVPOOL__HTTP_TOKEN"]
+        else:
+            assert env["KILN_TELEMETRY__METRICS_PORT"] == str(port), name
+            assert env["KILN_TELEMETRY__METRICS_HOST"] == "0.0.0.0" and env["KILN_TELEMETRY__METRICS_TOKEN"], name
+    prometheus = _service(compose, "prometheus")
+    assert "METRICS_TOKEN" in str(prometheus["entrypoint"])
+    assert _env(prometheus)["METRICS_TOKEN"] == env["KILN_TELEMETRY__METRICS_TOKEN"], "Prometheus scrapes with another token"
+
+
+def test_grafana_dashboard_queries_only_declared_metrics(compose):
+    import json
+
+    from kiln.shared.metrics import exported_names
+
+    sys_path = DEPLOY / "grafana" / "make_dashboard.py"
+    board = json.loads((DEPLOY / "grafana" / "dashboards" / "kiln.json").read_text())
+    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert ds["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
+    known = exported_names()
+    used = set()
+    for panel in board["panels"]:
+        assert panel["datasource"]["uid"] == ds["uid"], panel["title"]
+        for t in panel["targets"]:
+            names = set(re.findall(r"\bkiln_[a-z_]+\b", t["expr"]))
+            assert names, f"{panel['title']}: {t['expr']} queries no kiln metric"
+            assert names <= known, f"{panel['title']} queries undeclared metrics {sorted(names - known)}"
+            used |= names
+    # The design's list: reward and pass rate, throughput, idle, staleness, queues, groups, sandboxes.
+    for needed in ("kiln_learner_pass_rate", "kiln_learner_trajectories_trained_total", "kiln_learner_wait_seconds_total",
+                   "kiln_learner_staleness_versions_bucket", "kiln_queue_pending", "kiln_controller_groups_in_flight",
+                   "kiln_envpool_sandboxes_leased", "kiln_envpool_create_seconds_bucket", "kiln_rollout_generated_tokens_total"):  # fmt: skip
+        assert needed in used, f"the Grafana dashboard has no panel for {needed}"
+    # The committed JSON is what the generator writes.
+    import runpy
+
+    assert runpy.run_path(str(sys_path))["dashboard"]() == board, "kiln.json is stale: run deploy/grafana/make_dashboard.py"

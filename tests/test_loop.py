@@ -1,12 +1,15 @@
 """The whole loop through all five real services (in-process tasks) over a real
 nats-server and a real PostgreSQL: accounting of every dispatched group, version
 stamping checked from the database, a malformed message dead-lettered while the
-loop keeps running, and one trace per trajectory across every service."""
+loop keeps running, one trace per trajectory across every service (a single tree
+rooted at the dispatch), and every service's Prometheus endpoint."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
+import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import select
@@ -20,7 +23,8 @@ from harness import InProcessPlatform, experiment, wait_for
 @pytest.mark.timeout(240)
 async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg_url, run_dir):
     exporter = InMemorySpanExporter()
-    exp = experiment(run_dir, nats_server.url, pg_url)
+    exp = experiment(run_dir, nats_server.url, pg_url, telemetry={"log_format": "text", "metrics_port": 0},
+                     learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "queue_sample_s": 0.5})
     platform = InProcessPlatform(exp, exporter)
     run_id = platform.config("learner").run.id
     await platform.start_all(replicas={"rollout": 2})
@@ -88,6 +92,37 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
         # ...and it is this trajectory's own trace: the other samples of its group have theirs
         sibling_traces = {int(t.trace_id, 16) for t in trajs if t.group_id == t0.group_id}
         assert len(sibling_traces) == 2
+        # ...and one tree: a single root (the dispatch), every other span's parent in the trace
+        mine = [sp for sp in spans if sp.context.trace_id == tid]
+        ids = {sp.context.span_id for sp in mine}
+        roots = [sp for sp in mine if sp.parent is None or sp.parent.span_id not in ids]
+        assert [r.name for r in roots] == ["controller.dispatch"], [(r.name, r.parent) for r in roots]
+        by_id = {sp.context.span_id: sp for sp in mine}
+        gen = next(sp for sp in mine if sp.name == "rollout.generate")
+        chain = []
+        while gen is not None:
+            chain.append(gen.name)
+            gen = by_id.get(gen.parent.span_id) if gen.parent else None
+        assert chain[-1] == "controller.dispatch" and "rollout.trajectory" in chain, chain
+
+        # --- every service's /metrics, scraped while it runs, names what the design lists
+        scraped = {}
+        async with httpx.AsyncClient() as http:
+            for name in ("learner", "rollout", "reward", "weights"):
+                h = await bus.request(f"{c.HEALTH_PREFIX}.{name}", c.HealthProbe(), c.HealthReply)
+                scraped[name] = (await http.get(h.detail["metrics_url"])).text
+
+        def value(name, text):
+            return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+        assert value("kiln_learner_policy_version", scraped["learner"]) == 3
+        assert value("kiln_learner_trajectories_trained_total", scraped["learner"]) == 12
+        assert value("kiln_learner_staleness_versions_count", scraped["learner"]) == 12
+        assert value("kiln_controller_groups_dispatched_total", scraped["learner"]) >= 6
+        assert 'kiln_queue_pending{consumer="learner"' in scraped["learner"]
+        assert value("kiln_rollout_generated_tokens_total", scraped["rollout"]) > 0  # one of the two replicas
+        assert value("kiln_reward_scored_total", scraped["reward"]) == len(trajs)
+        assert value("kiln_weights_published_total", scraped["weights"]) == 4
     finally:
         await platform.stop_all()
         await db.close()

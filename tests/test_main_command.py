@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -42,14 +44,22 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.timeout(400)
-def test_main_command_runs_three_versions_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One run of the README's main command, shared by the tests of its results."""
+    root = tmp_path_factory.mktemp("runs")
     proc = subprocess.run(
-        [*KILN, "run", "--config", str(REPO / "configs" / "tiny.toml"), "--set", f"run.root={tmp_path}"],
+        [*KILN, "run", "--config", str(REPO / "configs" / "tiny.toml"), "--set", f"run.root={root}"],
         capture_output=True, text=True, timeout=380, cwd=REPO,
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_main_command_runs_three_versions_end_to_end(finished_run):
+    code, out = finished_run
+    assert code == 0, out
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/runs/", out), out
     for v in (1, 2, 3):
         assert f"version {v}/3:" in out, out
     run_dir = _run_dir(out)
@@ -111,3 +121,67 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert proc.returncode == 130, "".join(seen) + rest
     assert "stopping services" in rest
     assert not _processes_mentioning(str(run_dir)), "services or servers outlived Ctrl-C"
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+
+def _chromium(tmp_path, *args, timeout=60) -> str:
+    profile = tempfile.mkdtemp(dir=tmp_path, prefix="chromium-")
+    r = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (scripts/setup.sh installs it as root)")
+@pytest.mark.timeout(400)
+def test_dashboard_of_the_finished_run_in_chromium(finished_run, tmp_path):
+    code, out = finished_run
+    assert code == 0, out
+    run_dir = _run_dir(out)
+    dash = subprocess.Popen([*KILN, "dashboard", str(run_dir), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        for line in dash.stdout:
+            if line.startswith("dashboard: "):
+                break
+        base = line.split()[1].rstrip("/")
+        assert base.startswith("http://127.0.0.1:"), line
+        run_id = run_dir.name
+
+        dom = _chromium(tmp_path, "--dump-dom", f"{base}/")
+        assert f'data-run="{run_id}"' in dom and "finished" in dom
+
+        dom = _chromium(tmp_path, "--dump-dom", f"{base}/runs/{run_id}")
+        # The curves carry their data: one reward point per trained version (1, 2, 3).
+        reward = re.search(r'<svg data-plot="reward".*?</svg>', dom, re.S).group(0)
+        xs = sorted({float(x) for x in re.findall(r'data-x="([^"]+)"', reward)})
+        assert xs == [1.0, 2.0, 3.0], reward[:500]
+        for name in ("throughput", "idle", "staleness", "tokens", "eval"):
+            assert f'data-plot="{name}"' in dom, name
+        staleness = re.search(r'<svg data-plot="staleness".*?</svg>', dom, re.S).group(0)
+        assert sum(int(n) for n in re.findall(r'data-count="(\d+)"', staleness)) > 0
+        tid = re.search(r'data-trajectory="([^"]+)"', dom).group(1)
+
+        dom = _chromium(tmp_path, "--dump-dom", f"{base}/runs/{run_id}/trajectories/{tid}")
+        roles = re.findall(r'class="turn (\w+)" data-role', dom)
+        assert roles[:3] == ["system", "user", "assistant"], roles
+        assert re.search(r'id="trace-id"><code>[0-9a-f]{32}</code>', dom), "no trace id on the trajectory page"
+        assert "policy version" in dom and 'id="test-output"' in dom
+        # Its trace, read from the run's span files: one tree rooted at the dispatch, through every service.
+        tree = re.search(r'<ul id="trace">(.*)</ul>', dom, re.S).group(1)
+        assert re.match(r'\s*<li data-span="controller.dispatch"', tree), tree[:300]
+        assert {"kiln-learner", "kiln-rollout", "kiln-env-pool", "kiln-reward"} <= set(re.findall(r'data-service="([^"]+)"', tree))
+
+        shot = tmp_path / "dashboard.png"
+        _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1300,1800", "--hide-scrollbars", f"{base}/runs/{run_id}")
+        assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        artifacts = REPO / "test-artifacts"
+        artifacts.mkdir(exist_ok=True)
+        shutil.copy(shot, artifacts / "dashboard.png")
+    finally:
+        dash.send_signal(signal.SIGINT)
+        dash.wait(30)
+    assert not _processes_mentioning(str(run_dir)), "the dashboard's database outlived it"

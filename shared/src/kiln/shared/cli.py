@@ -7,6 +7,7 @@
     kiln tasks list|validate [--suite SPEC]
     kiln topology                                            streams, consumers, subjects
     kiln health --file FILE [--max-age S]                    container healthcheck
+    kiln dashboard [RUN_DIR] [--db URL] [--port N]           web dashboard of runs
 """
 
 from __future__ import annotations
@@ -156,6 +157,12 @@ def cmd_health(a) -> int:
     return 0
 
 
+def cmd_dashboard(a) -> int:
+    from kiln.shared.dashboard.serve import run_dashboard
+
+    return run_dashboard(a.run_dir, a.db, a.host, a.port, a.token or os.environ.get("KILN_DASHBOARD_TOKEN", ""))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kiln", description="kiln: asynchronous RL for coding agents")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -184,6 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--file", required=True)
     h.add_argument("--max-age", type=float, default=30.0)
     h.set_defaults(fn=cmd_health)
+    d = sub.add_parser("dashboard", help="serve the web dashboard of a run folder or a database")
+    d.add_argument("run_dir", nargs="?", help="a run folder (runs/<run-id>); its database is opened (embedded PostgreSQL restarted)")
+    d.add_argument("--db", help="database URL instead of a run folder (postgresql://... or sqlite:///...)")
+    d.add_argument("--host", default="127.0.0.1", help="bind address; anything beyond loopback needs --token")
+    d.add_argument("--port", type=int, default=8700)
+    d.add_argument("--token", default="", help="bearer token every request must carry (or KILN_DASHBOARD_TOKEN)")
+    d.set_defaults(fn=cmd_dashboard)
     a = p.parse_args(argv)
     sys.exit(a.fn(a))
 

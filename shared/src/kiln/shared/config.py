@@ -79,6 +79,13 @@ class TelemetrySettings(Section):
     """Structured JSON logs (with service, trace_id, span_id) or plain text."""
     metrics_interval_s: float = 15.0
     """Export interval of the OTLP metric reader."""
+    metrics_port: int = -1
+    """Serve the service's metrics for Prometheus at ``http://<metrics_host>:<port>/metrics``;
+    -1: off, 0: a free port (logged and in the health reply)."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of the metrics endpoint; anything beyond loopback needs ``metrics_token``."""
+    metrics_token: str = ""
+    """Bearer token the metrics endpoint demands (Prometheus: ``authorization.credentials``)."""
     health_file: str = ""
     """Touch this file every few seconds while the service's event loop is alive (container
     healthchecks run ``kiln health --file``); ``{service}`` is substituted."""
@@ -226,6 +233,10 @@ class LocalSettings(Section):
     """Give up (exit 1) if the run has not finished after this long."""
     stop_grace_s: float = 15.0
     """On shutdown, how long services get to drain after SIGTERM before SIGKILL."""
+    dashboard: bool = True
+    """Serve the web dashboard (``kiln.shared.dashboard``) on 127.0.0.1 while the run is live."""
+    dashboard_port: int = 0
+    """Its port; 0 takes a free one (the URL is printed at start)."""
 
 
 class ServiceConfig(BaseSettings):

@@ -219,17 +219,28 @@ class LocalPlatform:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: (interrupted.set(), self.finished.set()))
         bus = None
+        dashboard, dashboard_stop = None, asyncio.Event()
         try:
             self._start_infra(cfg)
             cfg = load_config(LauncherConfig, self.config_file)
             bus = await Bus.connect(cfg.nats, "launcher")
             await bus.ensure_topology()
             await self._watch(bus, cfg.run.id, cfg.algorithm.steps)
+            if cfg.local.dashboard:
+                from kiln.shared.dashboard.serve import serve_dashboard
+
+                url, dashboard = await serve_dashboard(
+                    cfg.database.url, "127.0.0.1", cfg.local.dashboard_port, "", dashboard_stop, traces_dir=self.run_dir / "traces"
+                )
+                _say(f"dashboard: {url}/runs/{cfg.run.id}")
             self._spawn(cfg)
             await self._supervise(cfg)
         finally:
             _say("stopping services")
             self._stop_children(cfg.local.stop_grace_s)
+            if dashboard:
+                dashboard_stop.set()
+                await dashboard
             if bus:
                 await bus.close()
             summary = ""
@@ -302,6 +313,7 @@ class LocalPlatform:
             f"  traces:   {self.run_dir / 'traces'}",
             f"  weights:  {self.run_dir / 'weights'}",
             f"  database: {cfg.database.url}" + (f" (embedded, stopped; its data: {self.pg.data_dir})" if self.pg else ""),
+            f"  browse:   kiln dashboard {self.run_dir}",
         ]
         return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
 from kiln.shared.config import ServiceConfig, load_config
+from kiln.shared.http import bearer_auth, serve_http
 from kiln.shared.telemetry import Telemetry, init_telemetry
 
 log = logging.getLogger("kiln.service")
@@ -47,9 +48,27 @@ class ServiceContext:
     started_at: float = field(default_factory=time.time)
     health_detail: dict = field(default_factory=dict)
 
+    _metrics: object = None
+    metrics_url: str = ""
+    """Where Prometheus scrapes this instance ("" when ``telemetry.metrics_port`` is -1)."""
+
     @property
     def tracer(self):
         return self.telemetry.tracer
+
+    @property
+    def meter(self):
+        """OpenTelemetry meter of the service: exported by OTLP and on ``/metrics``."""
+        return self.telemetry.meter
+
+    @property
+    def metrics(self):
+        """The service's instruments, as declared in ``kiln.shared.metrics`` (made once)."""
+        if self._metrics is None:
+            from kiln.shared.metrics import instruments
+
+            self._metrics = instruments(self.meter, self.name)
+        return self._metrics
 
 
 def default_instance(name: str) -> str:
@@ -79,10 +98,16 @@ async def run_service(
             loop.add_signal_handler(sig, stop.set)
     bus = None
     beat = None
+    metrics_stop, metrics_task = asyncio.Event(), None
     try:
         bus = await Bus.connect(config.nats, instance, tel.tracer)
         await bus.ensure_topology()
         ctx = ServiceContext(name, instance, config, bus, tel, stop, ready or asyncio.Event())
+        if tel.prometheus is not None:
+            t = config.telemetry
+            ctx.metrics_url, metrics_task = await serve_http(metrics_app(tel.prometheus, t.metrics_token), t.metrics_host, t.metrics_port, t.metrics_token, metrics_stop)
+            ctx.health_detail["metrics_url"] = f"{ctx.metrics_url}/metrics"
+            log.info("metrics for Prometheus at %s/metrics", ctx.metrics_url)
 
         async def health(_: c.HealthReply) -> c.HealthReply:
             return c.HealthReply(
@@ -101,9 +126,27 @@ async def run_service(
     finally:
         if beat:
             beat.cancel()
+        if metrics_task:
+            metrics_stop.set()
+            await metrics_task
         if bus:
             await bus.close()
         tel.shutdown()
+
+
+def metrics_app(registry, token: str):
+    """``/metrics`` in Prometheus' text format, behind the bearer token when one is set."""
+    from fastapi import Depends, FastAPI
+    from fastapi.responses import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    app = FastAPI(dependencies=[Depends(bearer_auth(token))])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
 
 
 async def _liveness(path: Path, stop: asyncio.Event) -> None:

@@ -45,6 +45,8 @@ class Telemetry:
     tracer_provider: TracerProvider
     meter_provider: MeterProvider
     _files: list[Any] = field(default_factory=list)
+    prometheus: Any = None
+    """The ``CollectorRegistry`` the service's ``/metrics`` endpoint serves (None when off)."""
     _closed: bool = False
 
     @property
@@ -97,6 +99,15 @@ def init_telemetry(
         tp.add_span_processor(SimpleSpanProcessor(exp))
 
     readers = list(metric_readers)
+    registry = None
+    if settings.metrics_port >= 0:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        # A registry per service, not prometheus_client's global one: in-process test
+        # platforms run several services, each with its own endpoint.
+        registry = CollectorRegistry()
+        readers.append(PrometheusMetricReader(registry=registry))
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
@@ -111,7 +122,7 @@ def init_telemetry(
         trace.set_tracer_provider(tp)
         metrics.set_meter_provider(mp)
         setup_logging(service, settings)
-    return Telemetry(service, tp, mp, files)
+    return Telemetry(service, tp, mp, files, registry)
 
 
 def _otlp(endpoint: str, signal: str) -> str:

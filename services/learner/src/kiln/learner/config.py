@@ -25,6 +25,8 @@ class LearnerSettings(Section):
     """Gradient clipping."""
     deadline_check_s: float = 2.0
     """How often the controller drops groups past their deadline."""
+    queue_sample_s: float = 5.0
+    """How often the controller samples every consumer's backlog (``kiln_queue_pending``)."""
     max_dropped_groups: int = 100
     """The run fails once more groups than this were dropped: a broken environment must
     end the run with its reason, not re-dispatch forever."""

@@ -37,7 +37,7 @@ from opentelemetry.context import Context
 from sqlalchemy import func, select, update
 
 from kiln.shared import contracts as c
-from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
+from kiln.shared.db import Database, Run, StepRecord, TaskGroup, TrajectoryRecord
 from kiln.shared.service import ServiceContext
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.telemetry import traceparent
@@ -65,6 +65,8 @@ class Controller:
         self.trained = 0
         self.inflight: dict[str, c.RolloutRequest] = {}
         self.finished = asyncio.Event()
+        self.closing = False
+        """Set (under the lock) once the run ends: nothing is dispatched after it."""
         self.outcome: tuple[str, str] = ("running", "")
         self._lock = asyncio.Lock()
         self._recorded: dict[int, asyncio.Event] = {0: asyncio.Event()}
@@ -114,10 +116,14 @@ class Controller:
         return random.Random(f"{self.cfg.run.seed}:{index}").choice(self.tasks)
 
     async def finish_run(self, status: str = "finished", detail: str = "") -> None:
-        if self.finished.is_set():
-            return
-        self.outcome = (status, detail)
         async with self._lock:
+            # Under the lock, before the in-flight groups end: a refill waiting for the lock
+            # (a drop's) must not dispatch a group after them that nothing would ever end,
+            # and a second finish (a failure racing the last version) changes nothing.
+            if self.closing:
+                return
+            self.closing = True
+            self.outcome = (status, detail)
             for gid in list(self.inflight):
                 await self._end(gid, "dropped", reason="run_finished", detail="the run ended before this group trained")
         async with self.db.session() as s:
@@ -152,7 +158,7 @@ class Controller:
     async def refill(self) -> None:
         a = self.cfg.algorithm
         async with self._lock:
-            if self.finished.is_set() or self.published_version < 0:
+            if self.closing or self.published_version < 0:
                 return
             if a.mode == "april":
                 target = math.ceil(a.overprovision * a.groups_per_step)
@@ -207,6 +213,8 @@ class Controller:
             )
         self.dispatched += 1
         self.inflight[gid] = req
+        self.ctx.metrics.dispatched.add(1)
+        self.ctx.metrics.in_flight.set(len(self.inflight))
         await self.ctx.bus.publish(c.ROLLOUT_WORK, req, msg_id=gid)
 
     def is_inflight(self, group_id: str) -> bool:
@@ -240,6 +248,19 @@ class Controller:
                 .values(trained_version=version)
             )
 
+    async def record_step(self, m: c.StepMetrics) -> None:
+        """The step's metrics as its ``steps`` row; merged, so a resumed learner that
+        redoes a step overwrites the row rather than failing on it."""
+        async with self.db.session() as s:
+            await s.merge(
+                StepRecord(
+                    run_id=m.run_id, step=m.step, version=m.version, trajectories=m.trajectories, mean_reward=m.mean_reward,
+                    pass_rate=m.pass_rate, loss=m.loss, mean_staleness=m.mean_staleness, max_staleness=m.max_staleness,
+                    step_seconds=m.step_seconds, wait_seconds=m.wait_seconds, elapsed_seconds=m.elapsed_seconds,
+                    metrics=m.model_dump(mode="json"),
+                )  # fmt: skip
+            )
+
     async def _end(self, group_id: str, status: str, *, reason: str | None = None, detail: str = "", trained_version=None) -> None:
         async with self.db.session() as s:
             res = await s.execute(
@@ -256,7 +277,9 @@ class Controller:
         if res.rowcount != 1:
             raise RuntimeError(f"group {group_id} was already ended; refusing to end it twice")
         self.inflight.pop(group_id, None)
+        self.ctx.metrics.in_flight.set(len(self.inflight))
         if status == "dropped":
+            self.ctx.metrics.dropped.add(1, {"reason": reason or ""})
             self.dropped += 1
             self.dropped_since_step += 1
             log.warning("dropped group %s: %s %s", group_id, reason, detail)

@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch.distributed as dist
+from nats.js.errors import NotFoundError
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database
@@ -75,14 +76,30 @@ async def serve(ctx: ServiceContext) -> None:
             while not await wait_or_stop(done, cfg.learner.deadline_check_s):
                 await trainer.expire()
 
+        async def queue_depths() -> None:
+            # The controller is the one process that sees the whole pipeline: it samples
+            # every JetStream consumer's backlog for the dashboards.
+            while True:
+                for spec in c.CONSUMERS:
+                    try:
+                        info = await ctx.bus.js.consumer_info(spec.stream, spec.durable)
+                    except NotFoundError:  # its stream or consumer is created by a service not up yet
+                        continue
+                    ctx.metrics.pending.set(info.num_pending, {"consumer": spec.durable})
+                    ctx.metrics.ack_pending.set(info.num_ack_pending, {"consumer": spec.durable})
+                if await wait_or_stop(done, cfg.learner.queue_sample_s):
+                    return
+
         watcher = asyncio.create_task(until_done())
         expiry = asyncio.create_task(deadlines())
+        depths = asyncio.create_task(queue_depths())
         abandoned = asyncio.create_task(
             ctx.bus.consume(c.ABANDONED, c.GroupAbandoned, lambda m, _d: trainer.on_abandoned(m), stop=done)
         )
         await ctx.bus.consume(c.LEARNER, c.ScoredTrajectory, trainer.on_scored, stop=done, ready=ctx.ready)
         await watcher
         await expiry
+        await depths
         await abandoned
         await trainer.release(run_finished=controller.finished.is_set())
         if not controller.finished.is_set():

@@ -138,6 +138,20 @@ class Trainer:
         if not await self._drop_if_stale(gid):
             self.ready.append(gid)
 
+    def _export(self, m: c.StepMetrics, staleness: list[int]) -> None:
+        inst = self.ctx.metrics
+        inst.version.set(m.version)
+        inst.trained.add(m.trajectories)
+        for s in staleness:
+            inst.staleness.record(s)
+        inst.step_seconds.add(m.step_seconds)
+        inst.wait_seconds.add(m.wait_seconds)
+        inst.idle.set(m.wait_seconds / max(1e-9, m.wait_seconds + m.step_seconds))
+        inst.reward.set(m.mean_reward)
+        inst.pass_rate.set(m.pass_rate)
+        inst.generated.add(m.generated_tokens)
+        inst.off_policy.add(m.off_policy_tokens)
+
     async def _drop_if_stale(self, gid: str) -> bool:
         a = self.cfg.algorithm
         limit = 0 if a.mode == "sync" else a.max_staleness
@@ -228,6 +242,8 @@ class Trainer:
             generated_tokens=len(generated),
             off_policy_tokens=sum(v < version - 1 for v in generated),
         )
+        await self.controller.record_step(metrics)
+        self._export(metrics, staleness)
         await self.ctx.bus.publish(c.STEP_METRICS, metrics)
         self.controller.step_recorded(version)
         log.info(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import time
 
 import nats.js.errors
 from nats.js import api as js_api
@@ -80,9 +81,15 @@ class Scorer:
                     test_output=rec.test_output,
                 )
             else:
+                t0 = time.monotonic()
                 scored, full_output = await self._score(traj)
                 log_key = await self._store_log(traj.trajectory_id, full_output)
                 await self._record(scored, log_key)
+                m = self.ctx.metrics
+                m.seconds.record(time.monotonic() - t0)
+                m.scored.add(1, {"outcome": "infra_error" if scored.infra_error else "pass" if scored.passed else "fail"})
+                if not scored.infra_error:
+                    m.value.record(scored.reward)
             span.set_attribute("reward", scored.reward)
             span.set_attribute("infra_error", scored.infra_error or "")
             await self.ctx.bus.publish(c.TRAJECTORY_SCORED, scored, msg_id=traj.trajectory_id)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 from opentelemetry import trace
@@ -83,6 +84,7 @@ class RolloutWorker:
         return self.engine.version < self.resume_at
 
     def _version_served(self) -> None:
+        self.ctx.metrics.version.set(self.engine.version)
         if self.engine.version >= self.resume_at:
             self.suspend.clear()
 
@@ -181,6 +183,7 @@ class RolloutWorker:
         indices = req.samples if req.samples is not None else list(range(req.n_samples))
         if req.suspensions:
             self.resumed += len(partials)
+            self.ctx.metrics.resumed.add(len(partials))
         results = await asyncio.gather(
             *(self._sample(req, task, i, alg.temperature, partials.get(i)) for i in indices), return_exceptions=True
         )
@@ -191,6 +194,7 @@ class RolloutWorker:
         held = [r for r in results if isinstance(r, c.PartialSample)]
         if stale:
             self.abandoned += 1
+            self.ctx.metrics.abandoned.add(1)
             await self._destroy([r.sandbox for r in stale + held])
             await self.ctx.bus.publish(
                 c.ROLLOUT_ABANDONED,
@@ -203,6 +207,7 @@ class RolloutWorker:
 
     async def _requeue(self, req: c.RolloutRequest, held: list[c.PartialSample]) -> None:
         self.suspended += len(held)
+        self.ctx.metrics.suspended.add(len(held))
         if not self.cfg.algorithm.partial_rollout:
             # Discarding means discarding: no token of an aborted sample may reach the learner.
             await self._destroy([p.sandbox for p in held])
@@ -244,13 +249,24 @@ class RolloutWorker:
                 temperature=temperature,
                 max_staleness=0 if alg.mode == "sync" else alg.max_staleness,
             )
-            out = await run_episode(
-                spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer, suspend=self.suspend, resume=partial
-            )
+            m = self.ctx.metrics
+            m.in_flight.add(1)
+            t0 = time.monotonic()
+            try:
+                out = await run_episode(
+                    spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer, suspend=self.suspend, resume=partial
+                )
+            finally:
+                m.in_flight.add(-1)
+            if not isinstance(out, Stale):  # tokens this episode added (a resumed one carries earlier ones)
+                m.tokens.add(sum(out.loss_mask) - (sum(partial.loss_mask) if partial else 0))
             if not isinstance(out, c.Trajectory):
                 span.set_attribute("status", "suspended" if isinstance(out, c.PartialSample) else "stale")
                 return out
             traj = out
+            m.trajectories.add(1, {"status": traj.status.value})
+            m.episode_seconds.record(time.monotonic() - t0)
+            m.malformed.add(traj.malformed_tool_calls)
             span.set_attribute("status", traj.status.value)
             span.set_attribute("turns", traj.num_turns)
             ack = await self.ctx.bus.publish(c.TRAJECTORY_FINISHED, traj, msg_id=traj.trajectory_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -48,6 +49,7 @@ async def serve(ctx: ServiceContext) -> None:
         src = Path(ck.path)
         if not (src / "config.json").is_file():
             raise Reject(f"checkpoint folder {src} has no config.json")
+        t0 = time.monotonic()
         with ctx.tracer.start_as_current_span("weights.store", attributes={"policy.version": ck.version}):
             stored = await asyncio.to_thread(
                 store.put, src, run_id=ck.run_id, version=ck.version, step=ck.step, parent_version=ck.parent_version
@@ -83,6 +85,10 @@ async def serve(ctx: ServiceContext) -> None:
         if broadcaster is not None:
             await broadcaster.send(ck.run_id, ck.version, src)
         ctx.health_detail["latest_version"] = ck.version
+        ctx.metrics.published.add(1, {"storage": m.storage})
+        ctx.metrics.version.set(ck.version)
+        ctx.metrics.bytes.add(store.size_on_disk(ck.run_id, ck.version), {"storage": m.storage})
+        ctx.metrics.seconds.record(time.monotonic() - t0)
         log.info("published version %d of %s (%s, %d bytes stored)", ck.version, ck.run_id, m.storage, store.size_on_disk(ck.run_id, ck.version))
 
     async def retain(run_id: str) -> None:

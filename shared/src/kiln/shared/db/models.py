@@ -1,11 +1,14 @@
-"""Database models: runs, policy versions, task groups, trajectory records.
+"""Database models: runs, policy versions, task groups, trajectory records, learner
+steps and evaluations.
 
 Who writes what (one writer per column family, so services never race on a row):
 - the controller (learner process) inserts ``runs`` and ``task_groups`` and sets a
   group's terminal ``status`` (``trained`` or ``dropped`` with a ``reason``);
 - the weights service inserts ``policy_versions``;
 - reward inserts ``trajectories``; the learner sets ``trained_version`` on the ones a
-  step consumed.
+  step consumed;
+- the learner inserts one ``steps`` row per optimizer step (the ``StepMetrics`` it
+  publishes), ``kiln eval`` (or the run's periodic evaluation) inserts ``evaluations``.
 A group ends exactly once: ``status`` moves from ``dispatched`` to ``trained`` or
 ``dropped`` and never back (``kiln.learner.controller`` enforces it with a
 conditional update).
@@ -116,3 +119,48 @@ class TrajectoryRecord(Base):
     worker_id: Mapped[str] = mapped_column(String(128), default="")
     trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     scored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class StepRecord(Base):
+    """One learner step, as published on ``kiln.learner.metrics``; the dashboard's curves."""
+
+    __tablename__ = "steps"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    trajectories: Mapped[int] = mapped_column(Integer)
+    mean_reward: Mapped[float] = mapped_column(Float)
+    pass_rate: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float] = mapped_column(Float)
+    mean_staleness: Mapped[float] = mapped_column(Float)
+    max_staleness: Mapped[int] = mapped_column(Integer)
+    step_seconds: Mapped[float] = mapped_column(Float)
+    wait_seconds: Mapped[float] = mapped_column(Float)
+    elapsed_seconds: Mapped[float] = mapped_column(Float)
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)
+    """The whole ``StepMetrics`` message (fields not promoted to columns included)."""
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class EvalRecord(Base):
+    """One evaluation of one policy version on a held-out split: greedy pass rate and
+    pass@k (unbiased estimator over ``samples`` draws per task at a fixed seed)."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (Index("ix_evaluations_run_version", "run_id", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    suite: Mapped[str] = mapped_column(String(200))
+    split: Mapped[str] = mapped_column(String(32))
+    tasks: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(Integer)
+    """Sampled episodes per task (pass@k needs samples >= k); 0 when only greedy ran."""
+    seed: Mapped[int] = mapped_column(Integer)
+    greedy_pass_rate: Mapped[float] = mapped_column(Float)
+    pass_at_k: Mapped[dict] = mapped_column(JSON, default=dict)
+    """``{"1": 0.4, "4": 0.7}``."""
+    per_task: Mapped[dict] = mapped_column(JSON, default=dict)
+    """task id -> ``{"greedy": bool, "passed": n, "samples": n}``."""
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
