@@ -61,8 +61,12 @@ class InProcessPlatform:
     def config(self, name: str):
         return load_config(self.services[name].config_class(), self.experiment_file)
 
-    async def start(self, name: str, instance: str | None = None, wait_ready: bool = True) -> Running:
+    async def start(self, name: str, instance: str | None = None, wait_ready: bool = True, **sections: dict) -> Running:
+        """``sections``: per-section overrides of this instance's config (e.g. ``rollout={"role": "eval"}``)."""
         info = self.services[name]
+        cfg = self.config(name)
+        for section, values in sections.items():
+            cfg = cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=values)})
         serve = importlib.import_module(info.module).serve
         stop = asyncio.Event()
         ready = asyncio.Event()
@@ -70,7 +74,7 @@ class InProcessPlatform:
         task = asyncio.create_task(
             run_service(
                 name,
-                self.config(name),
+                cfg,
                 serve,
                 instance=instance,
                 stop=stop,

@@ -123,6 +123,33 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert not _processes_mentioning(str(run_dir)), "services or servers outlived Ctrl-C"
 
 
+@pytest.mark.timeout(300)
+def test_kiln_eval_records_held_out_pass_rates_of_the_finished_run(finished_run):
+    code, out = finished_run
+    assert code == 0, out
+    run_dir = _run_dir(out)
+    proc = subprocess.run(
+        [*KILN, "eval", str(run_dir), "--versions", "0,3", "--set", "eval.max_tasks=2", "--set", "eval.samples=2",
+         "--set", "eval.k=[1,2]"],
+        capture_output=True, text=True, timeout=280, cwd=REPO,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert re.search(r"version 0: greedy pass \d+%, pass@1 \d+%, pass@2 \d+% \(2 heldout tasks", text), text
+    assert "| version | greedy | pass@1 | pass@2 |" in text and re.search(r"^\| 3 \| \d+% \|", text, re.M), text
+    assert not _processes_mentioning(str(run_dir)), "kiln eval left processes behind"
+    pg = PostgresServer(run_dir / "db" / "pg").start()
+    try:
+        with psycopg.connect(pg.url) as conn:
+            rows = conn.execute("SELECT version, tasks, samples, per_task FROM evaluations ORDER BY version").fetchall()
+            n_eval = conn.execute("SELECT count(*) FROM trajectories WHERE purpose = 'eval' AND trained_version IS NULL").fetchone()[0]
+    finally:
+        pg.stop()
+    assert [(v, t, s) for v, t, s, _ in rows] == [(0, 2, 2), (3, 2, 2)]
+    assert all(p["missing"] == 0 for _, _, _, per in rows for p in per.values()), rows
+    assert n_eval == 2 * 2 * (1 + 2)
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
@@ -163,7 +190,7 @@ def test_dashboard_of_the_finished_run_in_chromium(finished_run, tmp_path):
             assert f'data-plot="{name}"' in dom, name
         staleness = re.search(r'<svg data-plot="staleness".*?</svg>', dom, re.S).group(0)
         assert sum(int(n) for n in re.findall(r'data-count="(\d+)"', staleness)) > 0
-        tid = re.search(r'data-trajectory="([^"]+)"', dom).group(1)
+        tid = re.search(r'data-trajectory="([^"]+)" data-purpose="train"', dom).group(1)
 
         dom = _chromium(tmp_path, "--dump-dom", f"{base}/runs/{run_id}/trajectories/{tid}")
         roles = re.findall(r'class="turn (\w+)" data-role', dom)

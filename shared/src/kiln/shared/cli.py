@@ -8,6 +8,7 @@
     kiln topology                                            streams, consumers, subjects
     kiln health --file FILE [--max-age S]                    container healthcheck
     kiln dashboard [RUN_DIR] [--db URL] [--port N]           web dashboard of runs
+    kiln eval RUN_DIR [--versions 0,3] [--set eval.samples=8]  held-out pass rate of versions
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ def cmd_health(a) -> int:
     return 0
 
 
+def cmd_eval(a) -> int:
+    from kiln.shared.eval_run import run_eval
+
+    versions = None if a.versions in (None, "all") else [int(v) for v in a.versions.split(",")]
+    return run_eval(a.run_dir, versions, a.overrides)
+
+
 def cmd_dashboard(a) -> int:
     from kiln.shared.dashboard.serve import run_dashboard
 
@@ -191,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--file", required=True)
     h.add_argument("--max-age", type=float, default=30.0)
     h.set_defaults(fn=cmd_health)
+    ev = sub.add_parser("eval", help="evaluate stored policy versions of a run on its held-out split")
+    ev.add_argument("run_dir", help="a run folder (runs/<run-id>)")
+    ev.add_argument("--versions", default="all", help="comma-separated versions, or all (default)")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="e.g. eval.samples=8, eval.split=heldout, eval.k=[1,8]")
+    ev.set_defaults(fn=cmd_eval)
     d = sub.add_parser("dashboard", help="serve the web dashboard of a run folder or a database")
     d.add_argument("run_dir", nargs="?", help="a run folder (runs/<run-id>); its database is opened (embedded PostgreSQL restarted)")
     d.add_argument("--db", help="database URL instead of a run folder (postgresql://... or sqlite:///...)")

@@ -182,6 +182,29 @@ class AlgorithmSettings(Section):
     """A group not fully scored this long after dispatch is dropped (reason ``deadline``)."""
 
 
+class EvalSettings(Section):
+    """Held-out evaluation of policy versions (``kiln eval``, and during a run)."""
+
+    every: int = 0
+    """During a run, evaluate version 0, every ``every``-th version and the last one
+    (0: no evaluation during the run; ``kiln eval`` works either way)."""
+    split: str = "heldout"
+    """Split of the task suite evaluated."""
+    max_tasks: int = 0
+    """Evaluate at most this many tasks of the split (0: all), always the same ones."""
+    samples: int = 4
+    """Sampled episodes per task for pass@k (0: greedy only)."""
+    k: list[int] = Field(default_factory=lambda: [1, 4])
+    """pass@k reported for each k <= ``samples`` (unbiased estimator)."""
+    temperature: float = 1.0
+    """Temperature of the sampled episodes (the greedy one uses 0)."""
+    seed: int = 0
+    """Seed of the sampled episodes: the same for every version, so versions are compared
+    on the same random numbers."""
+    timeout_s: float = 600.0
+    """An evaluation not complete after this long is recorded with what came back."""
+
+
 class WeightsSettings(Section):
     """The version store (weights service) and how engines receive versions (rollout)."""
 

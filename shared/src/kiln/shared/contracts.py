@@ -58,6 +58,13 @@ STEP_METRICS = "kiln.metrics.step"
 """Learner -> observers: ``StepMetrics`` after every optimizer step."""
 RUN_EVENTS = "kiln.run.events"
 """Controller -> observers: ``RunEvent`` when a run starts, finishes or fails."""
+EVAL_WORK = "kiln.eval.work"
+"""Controller or ``kiln eval`` -> eval workers (rollout, ``role = eval``): one
+``EvalRequest`` per task and mode of an evaluation (work queue)."""
+EVAL_SCORED = "kiln.eval.scored"
+"""Reward -> evaluation collectors: ``ScoredTrajectory`` of an eval trajectory
+(``purpose = eval``), never seen by the learner (fan-out: each collector watches it
+and keeps the scores of its own evaluations)."""
 DEAD_LETTER_PREFIX = "kiln.dlq"
 """``kiln.dlq.<original subject>``: raw bytes of rejected messages, reason in headers."""
 
@@ -180,6 +187,18 @@ STREAMS: tuple[StreamSpec, ...] = (
         description="scored trajectories waiting for the learner",
     ),
     StreamSpec(
+        "KILN_EVAL",
+        (EVAL_WORK,),
+        Retention.WORK_QUEUE,
+        description="evaluation episodes waiting for an eval worker",
+    ),
+    StreamSpec(
+        "KILN_EVAL_SCORED",
+        (EVAL_SCORED,),
+        max_age_s=7 * 24 * 3600,
+        description="scores of evaluation episodes (history, watched by collectors)",
+    ),
+    StreamSpec(
         "KILN_CHECKPOINTS",
         (WEIGHTS_CHECKPOINT,),
         Retention.WORK_QUEUE,
@@ -256,7 +275,19 @@ WEIGHTS_WRITERS = ConsumerSpec(
     description="shared by every weights replica",
 )
 
-CONSUMERS: tuple[ConsumerSpec, ...] = (ROLLOUT_WORKERS, ROLLOUT_RESUMERS, ABANDONED, REWARD_WORKERS, LEARNER, WEIGHTS_WRITERS)
+EVAL_WORKERS = ConsumerSpec(
+    "KILN_EVAL",
+    "eval-workers",
+    EVAL_WORK,
+    ack_wait_s=60.0,
+    max_deliver=4,
+    max_ack_pending=256,
+    description="shared by every eval worker (rollout replicas with role = eval)",
+)
+
+CONSUMERS: tuple[ConsumerSpec, ...] = (
+    ROLLOUT_WORKERS, ROLLOUT_RESUMERS, ABANDONED, REWARD_WORKERS, LEARNER, WEIGHTS_WRITERS, EVAL_WORKERS,
+)  # fmt: skip
 
 
 def stream_for_subject(subject: str) -> StreamSpec:
@@ -412,6 +443,10 @@ class Trajectory(Message):
     worker_id: str = ""
     started_at: float = Field(default_factory=time.time)
     finished_at: float = Field(default_factory=time.time)
+    purpose: Literal["train", "eval"] = "train"
+    """``eval``: an evaluation episode; reward sends its score to ``kiln.eval.scored``."""
+    eval_id: str = ""
+    """The evaluation it belongs to (``purpose = eval``)."""
 
     @model_validator(mode="after")
     def _parallel_arrays(self) -> Trajectory:
@@ -580,6 +615,24 @@ class GroupAbandoned(Message):
     detail: str = ""
 
 
+class EvalRequest(Message):
+    """Episodes of one task under exactly one policy version, for an evaluation: greedy
+    (``temperature`` 0, one sample) or ``n_samples`` draws for pass@k. Seeds depend on
+    ``seed``, the task and the sample only, so every version is measured on the same
+    random numbers."""
+
+    run_id: str
+    eval_id: str
+    weights: WeightsPublished
+    """The version to evaluate, as announced (the worker fetches and verifies it)."""
+    task_id: str
+    mode: Literal["greedy", "sampled"]
+    n_samples: int = Field(ge=1)
+    temperature: float = Field(ge=0.0)
+    seed: int
+    deadline: float
+
+
 class RunEvent(Message):
     run_id: str
     kind: Literal["started", "resumed", "finished", "failed"]
@@ -709,6 +762,8 @@ SUBJECT_MESSAGES: dict[str, type[Message]] = {
     GROUP_DROPPED: GroupDropped,
     STEP_METRICS: StepMetrics,
     RUN_EVENTS: RunEvent,
+    EVAL_WORK: EvalRequest,
+    EVAL_SCORED: ScoredTrajectory,
     ENVPOOL_CREATE: SandboxCreate,
 }
 """The message type carried on each fixed subject (documentation and DLQ tooling)."""

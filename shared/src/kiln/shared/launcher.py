@@ -29,6 +29,7 @@ from kiln.shared.bus import Bus
 from kiln.shared.config import (
     AlgorithmSettings,
     DatabaseSettings,
+    EvalSettings,
     LocalSettings,
     ServiceConfig,
     deep_merge,
@@ -47,6 +48,8 @@ class LauncherConfig(ServiceConfig):
     """Read for the progress display (steps of the run)."""
     local: LocalSettings = Field(default_factory=LocalSettings)
     """Local process settings."""
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+    """With ``eval.every`` set, an eval worker (rollout, ``role = eval``) runs beside the services."""
 
 
 @dataclass
@@ -122,19 +125,20 @@ class LocalPlatform:
         for info in self.services.values():
             load_config(info.config_class(), self.config_file)  # fail before starting anything
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KILN_CONFIG": str(self.config_file)}
-        for name, info in self.services.items():
-            for i in range(cfg.local.replicas.get(name, 1)):
-                label = f"{name}-{i}"
-                log = self.run_dir / "logs" / f"{label}.log"
-                argv = info.argv(load_config(info.config_class(), self.config_file))
-                proc = subprocess.Popen(
-                    [*argv, "--config", str(self.config_file), "--instance", label],
-                    stdout=open(log, "ab"),
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
-                )
-                self.children.append(Child(label, info, proc, log))
+        plan = [(name, info, f"{name}-{i}", []) for name, info in self.services.items() for i in range(cfg.local.replicas.get(name, 1))]
+        if cfg.eval.every > 0 and "rollout" in self.services:
+            plan.append(("rollout", self.services["rollout"], "rollout-eval-0", ["--set", "rollout.role=eval"]))
+        for _name, info, label, extra in plan:
+            log = self.run_dir / "logs" / f"{label}.log"
+            argv = info.argv(load_config(info.config_class(), self.config_file))
+            proc = subprocess.Popen(
+                [*argv, "--config", str(self.config_file), "--instance", label, *extra],
+                stdout=open(log, "ab"),
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
+            )
+            self.children.append(Child(label, info, proc, log))
         _say("services: " + ", ".join(ch.name for ch in self.children) + f" (logs in {self.run_dir / 'logs'})")
 
     async def _watch(self, bus: Bus, run_id: str, steps: int) -> None:
@@ -292,7 +296,7 @@ class LocalPlatform:
     async def _summary(self, cfg: LauncherConfig) -> str:
         from sqlalchemy import func, select
 
-        from kiln.shared.db import Database, PolicyVersion, TaskGroup
+        from kiln.shared.db import Database, EvalRecord, PolicyVersion, TaskGroup
 
         db = Database(cfg.database.url)
         try:
@@ -301,6 +305,7 @@ class LocalPlatform:
                 rows = (await s.execute(
                     select(TaskGroup.status, TaskGroup.reason, func.count()).where(TaskGroup.run_id == cfg.run.id).group_by(TaskGroup.status, TaskGroup.reason)
                 )).all()
+                evals = (await s.scalars(select(EvalRecord).where(EvalRecord.run_id == cfg.run.id).order_by(EvalRecord.version, EvalRecord.id))).all()
         finally:
             await db.close()
         groups = ", ".join(f"{n} {st}{f' ({r})' if r else ''}" for st, r, n in rows) or "none"
@@ -315,6 +320,9 @@ class LocalPlatform:
             f"  database: {cfg.database.url}" + (f" (embedded, stopped; its data: {self.pg.data_dir})" if self.pg else ""),
             f"  browse:   kiln dashboard {self.run_dir}",
         ]
+        for e in evals:
+            ks = "".join(f", pass@{k} {v:.0%}" for k, v in e.pass_at_k.items())
+            lines.append(f"  eval:     version {e.version}: greedy pass {e.greedy_pass_rate:.0%}{ks} ({e.tasks} {e.split} tasks)")
         return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ from pydantic import Field
 from kiln.shared.config import (
     AlgorithmSettings,
     DatabaseSettings,
+    EvalSettings,
     ModelSettings,
     Section,
     ServiceConfig,
@@ -78,3 +79,5 @@ class LearnerConfig(ServiceConfig):
     """Runs, groups and trajectory records."""
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     """This service's settings."""
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+    """Held-out evaluation during the run (``eval.every``)."""

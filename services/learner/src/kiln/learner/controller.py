@@ -38,6 +38,7 @@ from sqlalchemy import func, select, update
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, StepRecord, TaskGroup, TrajectoryRecord
+from kiln.shared.evaluation import EvalCollector
 from kiln.shared.service import ServiceContext
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.telemetry import traceparent
@@ -52,7 +53,7 @@ def _utc(t: datetime) -> datetime:
 
 
 class Controller:
-    def __init__(self, ctx: ServiceContext, db: Database, suite: TaskSuite):
+    def __init__(self, ctx: ServiceContext, db: Database, suite: TaskSuite, evals: EvalCollector | None = None):
         self.ctx = ctx
         self.cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
         self.db = db
@@ -64,6 +65,7 @@ class Controller:
         self.dropped_since_step = 0
         self.trained = 0
         self.inflight: dict[str, c.RolloutRequest] = {}
+        self.evals = evals
         self.finished = asyncio.Event()
         self.closing = False
         """Set (under the lock) once the run ends: nothing is dispatched after it."""
@@ -144,9 +146,21 @@ class Controller:
             return
         self.published_version = msg.version
         log.info("version %d published", msg.version)
-        if msg.version >= self.cfg.algorithm.steps:
+        last = msg.version >= self.cfg.algorithm.steps
+        e = self.cfg.eval
+        if self.evals is not None and (msg.version % e.every == 0 or last):
+            await self.evals.start(self.run_id, f"{self.run_id}-eval-v{msg.version}", msg, e, self.cfg.tasks.suite)
+        if last:
             # The trainer may still be recording the step that produced this version.
             await self._recorded.setdefault(msg.version, asyncio.Event()).wait()
+            if self.evals is not None:
+                # The run's result is its last version's evaluation: wait for it (and any
+                # earlier one still running), bounded by the evaluation timeout.
+                for eval_id in self.evals.outstanding():
+                    try:
+                        await self.evals.wait(eval_id, e.timeout_s)
+                    except asyncio.TimeoutError:
+                        await self.evals.expire()
             await self.finish_run()
         else:
             await self.refill()

@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database
+from kiln.shared.evaluation import EvalCollector
 from kiln.shared.config import load_config
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
 from kiln.shared.tasks import load_suite
@@ -43,7 +44,11 @@ async def serve(ctx: ServiceContext) -> None:
     world = None
     try:
         suite = load_suite(cfg.tasks.suite)
-        controller = Controller(ctx, db, suite)
+        evals = None
+        if cfg.eval.every > 0:
+            evals = EvalCollector(ctx.bus, db, suite)
+            await evals.watch()
+        controller = Controller(ctx, db, suite, evals)
         checkpointer = Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep)
         meta = checkpointer.latest() if cfg.learner.resume else None
         world = await asyncio.to_thread(join, cfg)
@@ -75,6 +80,8 @@ async def serve(ctx: ServiceContext) -> None:
         async def deadlines() -> None:
             while not await wait_or_stop(done, cfg.learner.deadline_check_s):
                 await trainer.expire()
+                if evals is not None:
+                    await evals.expire()
 
         async def queue_depths() -> None:
             # The controller is the one process that sees the whole pipeline: it samples

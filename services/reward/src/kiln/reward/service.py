@@ -92,7 +92,9 @@ class Scorer:
                     m.value.record(scored.reward)
             span.set_attribute("reward", scored.reward)
             span.set_attribute("infra_error", scored.infra_error or "")
-            await self.ctx.bus.publish(c.TRAJECTORY_SCORED, scored, msg_id=traj.trajectory_id)
+            # Evaluation episodes go to their collector, never to the learner.
+            subject = c.EVAL_SCORED if traj.purpose == "eval" else c.TRAJECTORY_SCORED
+            await self.ctx.bus.publish(subject, scored, msg_id=traj.trajectory_id)
         if traj.sandbox and self.cfg.reward.destroy_sandbox:
             await self._destroy(traj.sandbox)
         self.scored += 1
@@ -207,5 +209,7 @@ class Scorer:
                     messages=[m.model_dump(mode="json", by_alias=True) for m in t.messages],
                     trace_id=trace_id_hex(),
                     worker_id=t.worker_id,
+                    purpose=t.purpose,
+                    eval_id=t.eval_id,
                 )
             )

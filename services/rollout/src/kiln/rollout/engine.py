@@ -128,10 +128,14 @@ class TorchEngine(InferenceEngine):
                 if self._abort != epoch:
                     reason = "abort"
                     break
-                probs = torch.softmax(last.float() / temperature, dim=-1)
-                tok = int(torch.multinomial(probs, 1, generator=g))
+                if temperature <= 0:  # greedy (evaluation); its logprob is the untempered one
+                    tok = int(torch.argmax(last))
+                    lps.append(float(token_logprobs(last[None], torch.tensor([tok]), 1.0)[0]))
+                else:
+                    probs = torch.softmax(last.float() / temperature, dim=-1)
+                    tok = int(torch.multinomial(probs, 1, generator=g))
+                    lps.append(float(token_logprobs(last[None], torch.tensor([tok]), temperature)[0]))
                 out.append(tok)
-                lps.append(float(token_logprobs(last[None], torch.tensor([tok]), temperature)[0]))
                 if tok in stop_ids:
                     reason = "stop"
                     break

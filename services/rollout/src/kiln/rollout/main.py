@@ -18,6 +18,7 @@ from kiln.shared.tasks import load_suite
 
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.engine import InferenceEngine, TorchEngine
+from kiln.rollout.evaluator import EvalWorker
 from kiln.rollout.worker import RolloutWorker
 
 log = logging.getLogger("kiln.rollout")
@@ -33,6 +34,16 @@ async def serve(ctx: ServiceContext) -> None:
             f" engine {cfg.rollout.engine!r} reads versions from files (weights.fetch = 'fs' or 'http')"
         )
     engine = make_engine(cfg, ctx.instance)
+    if cfg.rollout.role == "eval":
+        evaluator = EvalWorker(ctx, engine, load_suite(cfg.tasks.suite))
+        ctx.health_detail.update(engine=cfg.rollout.engine, role="eval")
+        try:
+            await ctx.bus.consume(
+                c.EVAL_WORKERS, c.EvalRequest, evaluator.on_eval, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups, ready=ctx.ready
+            )
+        finally:
+            await engine.close()
+        return
     worker = RolloutWorker(ctx, engine, load_suite(cfg.tasks.suite))
     ctx.health_detail["engine"] = cfg.rollout.engine
     try:

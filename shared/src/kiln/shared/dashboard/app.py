@@ -80,7 +80,7 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
             )
         ).all()
     cols = ("trajectory_id", "group_id", "task_id", "sample_index", "reward", "passed", "infra_error", "num_turns",
-            "num_generated", "min_version", "max_version", "trained_version", "finish_reason", "trace_id")  # fmt: skip
+            "num_generated", "min_version", "max_version", "trained_version", "finish_reason", "trace_id", "purpose")  # fmt: skip
     return {
         "run": _row(run, "id", "name", "status", "detail", "created_at", "finished_at", "config"),
         "steps": [{**s.metrics, "recorded_at": s.recorded_at} for s in steps],
@@ -105,7 +105,7 @@ async def trajectory_detail(db: Database, run_id: str, trajectory_id: str) -> di
         t, "trajectory_id", "run_id", "group_id", "task_id", "sample_index", "dispatch_version", "min_version",
         "max_version", "trained_version", "reward", "passed", "infra_error", "num_tokens", "num_generated", "num_turns",
         "malformed_tool_calls", "finish_reason", "tests", "reward_terms", "test_output", "log_key", "messages",
-        "trace_id", "worker_id", "scored_at",
+        "trace_id", "worker_id", "scored_at", "purpose", "eval_id",
     )  # fmt: skip
 
 

@@ -118,6 +118,9 @@ class TrajectoryRecord(Base):
     trace_id: Mapped[str] = mapped_column(String(32), default="")
     worker_id: Mapped[str] = mapped_column(String(128), default="")
     trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    purpose: Mapped[str] = mapped_column(String(8), default="train")
+    """``train`` or ``eval`` (an evaluation episode, never trained)."""
+    eval_id: Mapped[str] = mapped_column(String(160), default="")
     scored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -1,4 +1,4 @@
-"""learner steps and evaluations
+"""learner steps and evaluations; trajectory purpose
 
 Revision ID: 0003
 Revises: 0002
@@ -50,9 +50,15 @@ def upgrade() -> None:
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index('ix_evaluations_run_version', 'evaluations', ['run_id', 'version'])
+    with op.batch_alter_table('trajectories', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('purpose', sa.String(length=8), nullable=False, server_default='train'))
+        batch_op.add_column(sa.Column('eval_id', sa.String(length=160), nullable=False, server_default=''))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('trajectories', schema=None) as batch_op:
+        batch_op.drop_column('eval_id')
+        batch_op.drop_column('purpose')
     op.drop_index('ix_evaluations_run_version', table_name='evaluations')
     op.drop_table('evaluations')
     op.drop_table('steps')
