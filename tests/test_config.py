@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -72,3 +73,20 @@ def test_config_show_prints_resolved_values(tmp_path):
     assert "# ---- rollout ----" in out and "max_turns = 7" in out and "steps = 9" in out
     bad = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown service" in bad.stderr
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_preset_resolves_for_every_service(preset):
+    """Sections forbid unknown keys, so loading a preset with every service's config
+    class checks each key it sets; a top-level table no service reads is a typo."""
+    from kiln.shared.config import load_toml
+
+    classes = [info.config_class() for info in discover().values()] + [LauncherConfig]
+    for cls in classes:
+        load_config(cls, preset)
+    known = {name for cls in classes for name in cls.model_fields}
+    unread = set(load_toml(preset)) - known
+    assert not unread, f"{preset.name}: no service reads the tables {sorted(unread)}"

@@ -259,6 +259,10 @@ def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
     import asyncio
     from types import SimpleNamespace
 
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from kiln.shared.metrics import instruments
+
     from opentelemetry import trace
 
     from kiln.shared import contracts as c
@@ -291,9 +295,10 @@ def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
         pass
 
     controller = SimpleNamespace(
-        published_version=2, dropped_since_step=0, mark_trained=noop, step_recorded=lambda v: None, drop=noop
+        published_version=2, dropped_since_step=0, mark_trained=noop, step_recorded=lambda v: None, drop=noop, record_step=noop
     )
-    ctx = SimpleNamespace(config=cfg, bus=SimpleNamespace(publish=noop), tracer=trace.get_tracer("test"))
+    meter = MeterProvider().get_meter("test")
+    ctx = SimpleNamespace(config=cfg, bus=SimpleNamespace(publish=noop), tracer=trace.get_tracer("test"), metrics=instruments(meter, "learner"))
 
     def scored(i, reward, infra=None):
         t = c.Trajectory(

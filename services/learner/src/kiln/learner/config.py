@@ -45,6 +45,9 @@ class LearnerSettings(Section):
     )
     """Module-name patterns (fnmatch) never converted to low precision: by default the
     routers (and a shared expert's gate), the embeddings and the output head."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where a single-process learner trains: ``auto`` takes the GPU when torch sees one
+    (a multi-rank world places each rank on its ``LOCAL_RANK`` GPU by itself)."""
     dp_shard: int = Field(default=1, ge=1)
     """FSDP2 shard degree of the learner's world (world = ``dp_shard`` x ``ep`` ranks,
     started by torchrun from ``kiln run``)."""

@@ -11,6 +11,8 @@ only for the variants that need them) plus the MoE load-balancing loss.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,8 @@ from kiln.shared import chat
 from kiln.shared.contracts import Trajectory
 from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
 from kiln.shared.model.checkpoint import plain
-from kiln.shared.model.tokenizer import special_id, train_tokenizer
+from kiln.shared.model.checkpoint import load_checkpoint
+from kiln.shared.model.tokenizer import load_tokenizer, special_id, train_tokenizer
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.tools import tool_schemas
 
@@ -30,6 +33,8 @@ from kiln.learner.grpo import LossConfig, trained_token_mask
 from kiln.learner.parallel import full_state_dict, parallelize, policy_gradient_step
 from kiln.learner.precision import apply_precision
 from kiln.learner.world import World
+
+log = logging.getLogger("kiln.learner.policy")
 
 
 def tokenizer_corpus(suite: TaskSuite, repeats: int) -> list[str]:
@@ -68,21 +73,49 @@ class _Warmup:
         return min(1.0, (step + 1) / (self.steps + 1)) if self.steps else 1.0
 
 
+def initial_checkpoint(cfg: LearnerConfig) -> Path:
+    """The folder ``model.init_from`` names, built first for ``smollm2-moe``."""
+    name = cfg.model.init_from
+    if name != "smollm2-moe":
+        folder = Path(name).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.init_from = {name!r}: no config.json there (an HF checkpoint folder, or 'smollm2-moe')")
+        return folder
+    from kiln.shared.model.upcycle import upcycled_smollm2
+
+    dest = Path(cfg.model.cache_dir).expanduser() / f"smollm2-moe-e4k2-s{cfg.run.seed}"
+    if not (dest / "config.json").is_file():
+        log.info("building %s (SmolLM2-135M-Instruct upcycled to 4 experts)", dest)
+        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        upcycled_smollm2(tmp, num_experts=4, top_k=2, seed=cfg.run.seed, dense_folder=dest.parent / "smollm2-135m-dense")
+        tmp.rename(dest)  # atomic: a concurrent learner sees the whole folder or none
+    return dest
+
+
 class Policy:
     def __init__(self, cfg: LearnerConfig, suite: TaskSuite, world: World | None = None):
         self.cfg = cfg
         self.world = world
         torch.set_num_threads(cfg.learner.torch_threads)
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats), cfg.model.vocab_size)
-        # The settings name a subset of MoEConfig's fields; the vocabulary is what BPE reached.
-        arch = cfg.model.model_dump(exclude={"vocab_size"})
-        self.model = MoEForCausalLM(
-            MoEConfig(
-                vocab_size=self.tokenizer.get_vocab_size(), eos_token_id=special_id(self.tokenizer, chat.EOS), **arch
-            )
-        ).init_weights(cfg.run.seed)
+        self.init_folder = initial_checkpoint(cfg) if cfg.model.init_from else None
+        if self.init_folder is not None:
+            self.tokenizer = load_tokenizer(self.init_folder)
+            special_id(self.tokenizer, chat.EOS)  # the chat format needs its end-of-turn token
+            self.model = load_checkpoint(self.init_folder)
+        else:
+            self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats), cfg.model.vocab_size)
+            # The settings name a subset of MoEConfig's fields; the vocabulary is what BPE reached.
+            arch = cfg.model.model_dump(exclude={"vocab_size", "init_from", "cache_dir"})
+            self.model = MoEForCausalLM(
+                MoEConfig(
+                    vocab_size=self.tokenizer.get_vocab_size(), eos_token_id=special_id(self.tokenizer, chat.EOS), **arch
+                )
+            ).init_weights(cfg.run.seed)
         lc = cfg.learner
+        if world is None:
+            want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            self.model.to(want)
         self.precision = apply_precision(
             self.model, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
         )
@@ -153,7 +186,8 @@ class Policy:
         t0 = time.monotonic()
         a = self.cfg.algorithm
         rank, size = (self.world.rank, self.world.size) if self.world is not None else (0, 1)
-        rows = {k: v[rank::size] for k, v in t.items() if isinstance(v, torch.Tensor)}
+        device = next(self.model.parameters()).device
+        rows = {k: v[rank::size].to(device) for k, v in t.items() if isinstance(v, torch.Tensor)}
         global_tokens = float(t["mask"].sum())
         cfg = self.loss_config()
         prox = ref = None
@@ -187,11 +221,14 @@ class Policy:
         return full_state_dict(self.model)
 
     def reference(self) -> MoEForCausalLM:
-        """The frozen initial policy (the KL anchor), rebuilt from the run's seed in the
-        policy's precision and on its device, so that it is version 0 exactly (the first
+        """The frozen initial policy (the KL anchor), rebuilt from the run's seed (or read
+        again from ``model.init_from``) in the policy's precision and on its device, so that it is version 0 exactly (the first
         step's KL is 0), after a resume too."""
         if self._reference is None:
-            ref = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed)
+            if self.init_folder is not None:
+                ref = load_checkpoint(self.init_folder)
+            else:
+                ref = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed)
             lc = self.cfg.learner
             apply_precision(ref, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision))
             ref = ref.to(next(self.model.parameters()).device).eval()

@@ -54,7 +54,7 @@ def to_hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     block, proj = _BLOCK[family], _PROJ[family]
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        t = plain(t).detach().contiguous()
+        t = plain(t).detach().cpu().contiguous()
         if name.startswith("rotary."):
             continue
         if name == "lm_head.weight":
