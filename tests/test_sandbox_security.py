@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,40 @@ async def test_every_file_tool_refuses_escapes(node):
     assert "root:x:0" not in (res["grep-all"].output or "")
     assert "root:x:0" not in (res["search"].output or "")
     assert "etc_link@" in res["ls"].output and "pw_link@" in res["ls"].output
+
+
+def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
+    """Two env-pools named alike on one host (two local runs, a test beside a run): one's
+    shutdown must not remove the other's cgroups and kill its sandboxes."""
+    import subprocess
+    import sys
+
+    from kiln.envpool.cgroups import CgroupManager
+
+    mine = CgroupManager("same-node")
+    if mine.mode == "none":
+        pytest.skip(f"no writable cgroup hierarchy here: {mine.reason}")
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys, time\n"
+        "from kiln.envpool.cgroups import CgroupManager\n"
+        "m = CgroupManager('same-node'); m.create('sb-other', memory_bytes=1 << 28, pids=64)\n"
+        f"pathlib.Path({str(ready)!r}).write_text('\\n'.join(map(str, m.parents)))\n"
+        "time.sleep(60)\n"
+    )])  # fmt: skip
+    try:
+        for _ in range(200):
+            if ready.exists() and ready.read_text():
+                break
+            time.sleep(0.05)
+        theirs = [Path(p) for p in ready.read_text().splitlines()]
+        assert theirs and set(theirs).isdisjoint(mine.parents)
+        mine.create("sb-mine", memory_bytes=1 << 28, pids=64)
+        mine.close()
+        assert all((p / "sb-other").is_dir() for p in theirs), "closing one env-pool removed another's sandbox cgroups"
+    finally:
+        child.kill()
+        child.wait()
+    # The dead one's groups are reaped by the next env-pool that starts.
+    CgroupManager("another-node").close()
+    assert not any(p.exists() for p in theirs)

@@ -92,7 +92,10 @@ class CgroupManager:
         self.mode = "none"
         self.parents: list[Path] = []
         self.reason = ""
-        name = f"kiln-{node_id}"
+        # The process id makes the parent this process's own: two env-pools with one node
+        # id on a host (two local runs, a test beside a run) must never share it, since
+        # ``close`` kills and removes every sandbox group under it.
+        name = f"kiln-{node_id}-{os.getpid()}"
         try:
             if (root / "cgroup.controllers").exists():
                 self._setup_v2(name)
@@ -108,11 +111,27 @@ class CgroupManager:
                 "cgroups unavailable (%s): sandboxes get rlimits only, no per-sandbox memory/pids limit", self.reason
             )
 
+    def _reap_orphans(self, hierarchy: Path) -> None:
+        """Remove parents left by env-pools that died without ``close`` (their pid is gone)."""
+        for p in hierarchy.glob("kiln-*-*"):
+            pid = p.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+                for child in p.iterdir():
+                    if child.is_dir():
+                        Cgroup(self.mode, [child]).remove()
+                try:
+                    p.rmdir()
+                    log.info("removed cgroup %s of a dead env-pool", p)
+                except OSError:
+                    pass
+
     def _setup_v1(self, name: str) -> None:
         parents = [self.root / "memory" / name, self.root / "pids" / name]
         for p in parents:
             p.mkdir(exist_ok=True)
         self.parents, self.mode = parents, "v1"
+        for h in ("memory", "pids"):
+            self._reap_orphans(self.root / h)
 
     def _setup_v2(self, name: str) -> None:
         available = (self.root / "cgroup.controllers").read_text().split()
@@ -123,6 +142,7 @@ class CgroupManager:
         parent.mkdir(exist_ok=True)
         (parent / "cgroup.subtree_control").write_text("+memory +pids")
         self.parents, self.mode = [parent], "v2"
+        self._reap_orphans(self.root)
 
     def create(self, sandbox_id: str, *, memory_bytes: int, pids: int) -> Cgroup | None:
         if self.mode == "none":

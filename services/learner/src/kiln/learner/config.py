@@ -57,6 +57,14 @@ class LearnerSettings(Section):
     ep_dispatch: Literal["hp", "mxfp8"] = "hp"
     """Payload of the expert all-to-all: the activations' own precision, or MXFP8 (a
     quarter of fp32's bytes; gradients stay high precision)."""
+    sft_steps: int = Field(default=0, ge=0)
+    """Supervised warm start before RL (``kiln.learner.sft``): optimizer steps on expert
+    demonstrations of the training split; version 0 (and the KL reference) is the
+    warm-started policy. 0: RL starts from the initial weights."""
+    sft_lr: float = 3e-3
+    """Learning rate of the warm start."""
+    sft_batch: int = Field(default=8, ge=1)
+    """Demonstrations per warm-start step."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up over this many optimizer steps (0 = none)."""
     checkpoint_dir: str = ""

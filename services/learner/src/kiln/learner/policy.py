@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from kiln.learner.config import LearnerConfig
 from kiln.learner.grpo import LossConfig, trained_token_mask
 from kiln.learner.parallel import full_state_dict, parallelize, policy_gradient_step
 from kiln.learner.precision import apply_precision
+from kiln.learner.sft import warm_start
+from kiln.learner.state import checkpoint_root
 from kiln.learner.world import World
 
 log = logging.getLogger("kiln.learner.policy")
@@ -116,6 +119,8 @@ class Policy:
         if world is None:
             want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             self.model.to(want)
+        if lc.sft_steps:
+            self.init_folder = self._warm_start(suite)
         self.precision = apply_precision(
             self.model, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
         )
@@ -128,6 +133,27 @@ class Policy:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _Warmup(cfg.learner.lr_warmup_steps))
         self._reference: MoEForCausalLM | None = None
+
+    def _warm_start(self, suite: TaskSuite) -> Path:
+        """SFT in full precision before the training precision is applied; the result is
+        kept as ``<checkpoint root>/sft-init`` so that a resumed learner (and the KL
+        reference) starts from the very same policy without training it again."""
+        folder = checkpoint_root(self.cfg) / "sft-init"
+        if (folder / "config.json").is_file():
+            load_checkpoint(folder, self.model)
+            log.info("warm start: reusing %s", folder)
+            return folder
+        lc = self.cfg.learner
+        losses = warm_start(self.model, self.tokenizer, suite.split(self.cfg.tasks.split), steps=lc.sft_steps, lr=lc.sft_lr,
+                            batch=lc.sft_batch, seed=self.cfg.run.seed)  # fmt: skip
+        log.info("warm start: %d steps, loss %.3f -> %.3f", lc.sft_steps, losses[0], losses[-1])
+        tmp = folder.with_name(f"sft-init.tmp{os.getpid()}")
+        save_checkpoint(self.model, tmp, self.tokenizer)
+        try:
+            os.rename(tmp, folder)  # atomic; another rank of the world may have been first
+        except OSError:
+            shutil.rmtree(tmp)
+        return folder
 
     def stage(self, folder: Path) -> Path:
         """Write the current policy as an HF folder (rank 0; the followers join the gather)."""

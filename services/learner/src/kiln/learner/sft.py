@@ -1,0 +1,118 @@
+"""Supervised warm start: the policy imitates demonstrations of the task family before RL
+(``learner.sft_steps``), as real pipelines start RL from an SFT checkpoint.
+
+A demonstration of a task is the episode an expert agent would run with the tools the
+model sees: read the module the bug is in, replace the changed lines with one
+``edit_file`` call, answer without a tool call. It is built from the task's reference
+solution (the first block of lines where ``solution`` differs from ``files``), and
+observations are what env-pool's tools answer (``read_file``: the file's text,
+``edit_file``: ``edited <path>``).
+
+Invariants: a demonstration is tokenized exactly as the agent loop builds its sequence
+(``kiln.shared.chat`` rendering, assistant turns closed the same way), and only the
+assistant's tokens are trained (the prompt and observations have mask 0); only tasks of
+the split the run trains on are demonstrated, never held-out ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import random
+import time
+
+import torch
+from tokenizers import Tokenizer
+
+from kiln.shared import chat
+from kiln.shared.model import MoEForCausalLM, sequence_logprobs
+from kiln.shared.model.tokenizer import special_id
+from kiln.shared.tasks import Task
+from kiln.shared.tools import tool_schemas
+
+log = logging.getLogger("kiln.learner.sft")
+
+
+def _call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def expert_edit(task: Task) -> tuple[str, str, str] | None:
+    """(path, old, new): the first changed block between the task's files and its solution."""
+    for path, fixed in sorted((task.solution or {}).items()):
+        before = task.files.get(path, "")
+        a, b = before.splitlines(keepends=True), fixed.splitlines(keepends=True)
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+            if tag != "equal":
+                old, new = "".join(a[i1:i2]), "".join(b[j1:j2])
+                if old and before.count(old) == 1:
+                    return path, old, new
+    return None
+
+
+def demonstration(task: Task) -> list[tuple[str, str]] | None:
+    """The expert episode as (assistant text, observation) turns; the last has no observation."""
+    edit = expert_edit(task)
+    if edit is None:
+        return None
+    path, old, new = edit
+    return [
+        (f"Let me read `{path}`.\n" + _call("read_file", path=path), task.files[path]),
+        ("The bug is here; fixing it.\n" + _call("edit_file", path=path, old=old, new=new), f"edited {path}"),
+        (f"Fixed `{path}`.", ""),
+    ]
+
+
+def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a demonstration, built as ``kiln.rollout.agent`` builds an episode."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    eos = special_id(tok, chat.EOS)
+    ids = enc(chat.render_system(chat.SYSTEM_PROMPT, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix())
+    mask = [0] * len(ids)
+    for text, obs in turns:
+        out = enc(text) + [eos]
+        ids += out
+        mask += [1] * len(out)
+        close = enc("\n") + (enc(chat.render_tool_results([obs]) + chat.assistant_prefix()) if obs else [])
+        ids += close
+        mask += [0] * len(close)
+    return ids, mask
+
+
+def warm_start(model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int) -> list[float]:
+    """``steps`` AdamW steps of next-token cross-entropy on the demonstrations' assistant
+    tokens (a fresh optimizer: RL starts with its own). Returns the loss per step."""
+    data = [encode(t, d, tok) for t in tasks if (d := demonstration(t)) is not None]
+    if not data:
+        raise ValueError("no task of the training split has a reference solution to demonstrate")
+    rng = random.Random(seed)
+    pad = special_id(tok, chat.PAD)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    device = next(model.parameters()).device
+    losses = []
+    t0 = time.monotonic()
+    model.train()
+    for step in range(steps):
+        rows = [data[rng.randrange(len(data))] for _ in range(batch)]
+        n = max(len(ids) for ids, _ in rows)
+        n = -(-n // 32) * 32  # MX blocks run along the token dimension
+        ids = torch.full((batch, n), pad, dtype=torch.long)
+        attn = torch.zeros((batch, n), dtype=torch.long)
+        mask = torch.zeros((batch, n))
+        for i, (x, m) in enumerate(rows):
+            ids[i, : len(x)] = torch.tensor(x)
+            attn[i, : len(x)] = 1
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+        ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+        lp, _ = sequence_logprobs(model, ids, attn, 1.0)
+        loss = -torch.where(mask > 0, lp, torch.zeros_like(lp)).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log.info("sft step %d/%d: loss %.4f (%.0fs)", step + 1, steps, losses[-1], time.monotonic() - t0)
+    model.eval()
+    return losses
