@@ -317,3 +317,42 @@ def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
     # valid rewards 1, 0 -> mean 0.5 -> advantages +0.5, -0.5; t1 (infra, reward 0 placeholder)
     # would have made the mean 1/3
     assert calls == [([("t0", 0.5), ("t2", -0.5)], 2)]
+
+
+@pytest.mark.parametrize("variant", ["ppo_clip", "decoupled_ppo"])
+def test_micro_batches_give_the_same_update(variant):
+    """Gradient accumulation over chunks of rows is the same policy-gradient step as the
+    whole batch at once: same loss, statistics and parameters after it. (The
+    load-balancing term is computed per chunk, so it is compared loosely and left out of
+    the parameter check.)"""
+    from kiln.shared.model import MoEConfig, MoEForCausalLM, sequence_logprobs
+
+    from kiln.learner.parallel import policy_gradient_step
+
+    cfg = MoEConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.0)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4, 24), generator=g)
+    attn = torch.ones_like(ids)
+    attn[3, 18:] = 0
+    mask = (torch.rand(4, 24, generator=g) > 0.3).float() * attn
+    mask[:, 0] = 0
+    adv = torch.randn(4, 1, generator=g)
+    outs, params = [], []
+    for micro in (0, 1, 3):
+        model = MoEForCausalLM(cfg).init_weights(0)
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(model, ids, attn)
+        behaviour = lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+        shard = {"ids": ids, "attn": attn, "mask": mask, "behaviour": behaviour, "adv": adv}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # linear in the gradient (Adam's first step is its sign)
+        out = policy_gradient_step(model, opt, shard, global_tokens=float(mask.sum()), loss=LossConfig(loss=variant),
+                                   temperature=1.0, max_grad_norm=1.0, prox_logp=lp if variant == "decoupled_ppo" else None,
+                                   micro_batch=micro)  # fmt: skip
+        outs.append(out)
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    for out, p in zip(outs[1:], params[1:]):
+        for k in ("loss", "ratio_mean", "clip_frac", "grad_norm", "tokens"):
+            assert out[k] == pytest.approx(outs[0][k], rel=1e-5, abs=1e-7), k
+        assert out["aux_loss"] == pytest.approx(outs[0]["aux_loss"], rel=0.05)
+        assert torch.allclose(p, params[0], atol=1e-6)

@@ -57,6 +57,10 @@ class LearnerSettings(Section):
     ep_dispatch: Literal["hp", "mxfp8"] = "hp"
     """Payload of the expert all-to-all: the activations' own precision, or MXFP8 (a
     quarter of fp32's bytes; gradients stay high precision)."""
+    micro_batch: int = Field(default=0, ge=0)
+    """Rows per forward/backward within one optimizer step (gradients accumulate; the
+    policy-gradient update is the same, the load-balancing loss is taken per chunk):
+    bounds activation memory for long sequences or big models. 0: the whole batch."""
     sft_steps: int = Field(default=0, ge=0)
     """Supervised warm start before RL (``kiln.learner.sft``): optimizer steps on expert
     demonstrations of the training split; version 0 (and the KL reference) is the

@@ -225,7 +225,7 @@ class Policy:
                 ref, _ = sequence_logprobs(self.reference(), rows["ids"], rows["attn"], a.temperature)
         out = policy_gradient_step(
             self.model, self.optimizer, rows, global_tokens=global_tokens, loss=cfg, temperature=a.temperature,
-            max_grad_norm=self.cfg.learner.max_grad_norm, prox_logp=prox, ref_logp=ref,
+            max_grad_norm=self.cfg.learner.max_grad_norm, prox_logp=prox, ref_logp=ref, micro_batch=self.cfg.learner.micro_batch,
         )  # fmt: skip
         self.scheduler.step()
         return StepStats(
