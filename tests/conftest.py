@@ -69,3 +69,16 @@ def run_dir(tmp_path) -> Path:
     d = tmp_path / "run"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+async def envpool(nats_server, bus, run_dir):
+    """A real env-pool service (in-process) and a client for it."""
+    from harness import InProcessPlatform, experiment
+
+    from kiln.shared.envpool_client import EnvPoolClient
+
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
+    await p.start("env-pool")
+    yield EnvPoolClient(bus)
+    await p.stop_all()

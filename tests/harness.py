@@ -137,3 +137,16 @@ async def wait_for(predicate, timeout: float, interval: float = 0.1, what: str =
         if loop.time() > end:
             raise TimeoutError(f"{what} not reached within {timeout}s")
         await asyncio.sleep(interval)
+
+
+async def wait_run_ended(platform: InProcessPlatform, db, run_id: str, timeout: float) -> None:
+    """Until the run's row leaves ``running``, failing at once if a service has crashed."""
+    from kiln.shared.db import Run
+
+    async def ended():
+        assert not platform.failed(), platform.failed()
+        async with db.session() as s:
+            run = await s.get(Run, run_id)
+        return run is not None and run.status != "running"
+
+    await wait_for(ended, timeout, 0.5, "run ended")

@@ -13,7 +13,6 @@ from opentelemetry import trace
 
 from kiln.shared import chat
 from kiln.shared import contracts as c
-from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.model.tokenizer import train_tokenizer
 from kiln.shared.tasks import load_suite
 
@@ -22,7 +21,6 @@ from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
 
-from harness import InProcessPlatform, experiment
 
 SUITE = load_suite("builtin")
 TASK = SUITE.get("fix-calc")
@@ -60,14 +58,6 @@ def tool_call(name, **args) -> str:
 def request(**kw) -> c.RolloutRequest:
     return c.RolloutRequest(run_id="r", group_id="g0", task_id=TASK.id, n_samples=1, dispatch_version=7,
                             deadline=kw.pop("deadline", time.time() + 60), **kw)
-
-
-@pytest.fixture
-async def envpool(nats_server, bus, run_dir):
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
-    await p.start("env-pool")
-    yield EnvPoolClient(bus)
-    await p.stop_all()
 
 
 async def episode(engine, envpool, **settings):

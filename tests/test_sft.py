@@ -5,6 +5,7 @@ the tool-call format."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -13,7 +14,6 @@ from opentelemetry import trace
 
 from kiln.shared import chat
 from kiln.shared import contracts as c
-from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.model import MoEConfig, MoEForCausalLM
 from kiln.shared.model.tokenizer import special_id, train_tokenizer
 from kiln.shared.tasks import load_suite
@@ -24,7 +24,6 @@ from kiln.rollout.agent import EpisodeSpec, run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine, TorchEngine
 
-from harness import InProcessPlatform, experiment
 
 SUITE = load_suite("builtin")
 TOK = train_tokenizer(tokenizer_corpus(SUITE, 1), 1024)
@@ -52,14 +51,6 @@ class Replay(InferenceEngine):
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         ids = TOK.encode(self.texts.pop(0), add_special_tokens=False).ids + [special_id(TOK, chat.EOS)]
         return Generation(ids, [-0.1] * len(ids), 0, "stop")
-
-
-@pytest.fixture
-async def envpool(nats_server, bus, run_dir):
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://"))
-    await p.start("env-pool")
-    yield EnvPoolClient(bus)
-    await p.stop_all()
 
 
 async def test_demonstration_is_what_the_agent_loop_builds(envpool):
@@ -93,8 +84,6 @@ def test_warm_start_teaches_a_fresh_policy_the_tool_format():
     prompt, _ = encode(task, [], TOK)
     engine = TorchEngine(1)
     engine.model, engine.version = model, 0
-    import asyncio
-
     gen = asyncio.run(engine.generate(prompt, 64, {special_id(TOK, chat.EOS)}, 0.0, 0))
     calls = chat.parse_tool_calls(TOK.decode(gen.token_ids, skip_special_tokens=False))
     # The format, not yet which file: copying the module's name from the prompt is what
