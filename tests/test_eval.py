@@ -7,6 +7,8 @@ token; pass@k is the unbiased estimator."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from sqlalchemy import select
 
@@ -28,6 +30,29 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k(5, 3, 3) == 1.0  # fewer than k failures: some draw of k passes
     with pytest.raises(ValueError):
         pass_at_k(2, 1, 4)
+
+
+async def test_an_evaluation_nothing_answers_is_not_recorded(bus, tmp_path):
+    from kiln.shared.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'kiln.db'}"
+    upgrade(url)
+    db = Database(url)
+    try:
+        async with db.session() as s:
+            s.add(Run(id="r", name="r", config={}))
+        weights = c.WeightsPublished(run_id="r", version=0, step=0, path=str(tmp_path), manifest_sha256="0" * 64,
+                                     manifest=c.WeightsManifest(run_id="r", version=0, step=0, parent_version=None, files=[], tensors={}))  # fmt: skip
+        collector = EvalCollector(bus, db, load_suite("builtin"))
+        await collector.watch()
+        await collector.start("r", "r-eval-v0", weights, EvalSettings(**{**EVAL, "timeout_s": 0.2}), "builtin")
+        await asyncio.sleep(0.3)
+        await collector.expire()  # no eval worker: nothing came back
+        assert await collector.wait("r-eval-v0", 1) is None and not collector.outstanding()
+        async with db.session() as s:
+            assert (await s.scalars(select(EvalRecord))).all() == []
+    finally:
+        await db.close()
 
 
 @pytest.mark.timeout(300)

@@ -161,6 +161,9 @@ async def _evaluate(cfg: _EvalConfig, db_url: str, versions: list[int] | None, c
                     break
                 except asyncio.TimeoutError:
                     await collector.expire()
+            if rec is None:
+                _say(f"version {w.version}: no episode came back within eval.timeout_s; see the logs in {Path(cfg.run.dir)}")
+                return 1
             results.append(rec)
             ks = "".join(f", pass@{k} {v:.0%}" for k, v in rec.pass_at_k.items())
             _say(f"version {rec.version}: greedy pass {rec.greedy_pass_rate:.0%}{ks} ({rec.tasks} {rec.split} tasks, {rec.seconds:.0f}s)")

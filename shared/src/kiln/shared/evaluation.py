@@ -10,8 +10,9 @@ an evaluation writes its one ``evaluations`` row.
 
 Invariants: an evaluation is recorded once (its row is written when the last expected
 trajectory arrives, or at its timeout with what came back, the missing ones counted as
-``missing``); an infrastructure failure is reported as such (``infra`` per task) and
-counts as not passed, so a broken sandbox can never raise a pass rate; scores of an
+``missing``; one with nothing back at all is not recorded, since a row of zeros would
+read as a policy that solves nothing); an infrastructure failure is reported as such
+(``infra`` per task) and counts as not passed, so a broken sandbox can never raise a pass rate; scores of an
 unknown evaluation (another collector's, or one already recorded) are ignored; a
 collector that restarts loses the evaluations it had in flight (start them again).
 """
@@ -130,6 +131,12 @@ class EvalCollector:
 
     async def _record(self, eval_id: str, p: _Pending) -> None:
         s = p.settings
+        if p.received == 0:
+            # Nothing came back (no eval worker is running?): a row of zeros would read as
+            # a policy that solves nothing.
+            log.error("evaluation %s of version %d got no episode back within %.0fs; nothing recorded", eval_id, p.version, s.timeout_s)
+            p.done.set()
+            return
         per_task = {}
         for tid in p.tasks:
             draws = p.sampled.get(tid, [])
@@ -157,7 +164,8 @@ class EvalCollector:
         p.done.set()
         log.info("version %d: greedy pass %.0f%%, %s", p.version, 100 * greedy, ", ".join(f"pass@{k} {v:.0%}" for k, v in pass_k.items()))
 
-    async def wait(self, eval_id: str, timeout: float | None = None) -> EvalRecord:
+    async def wait(self, eval_id: str, timeout: float | None = None) -> EvalRecord | None:
+        """The evaluation's row once recorded (None: nothing came back before its timeout)."""
         p = self.pending[eval_id]
         await asyncio.wait_for(p.done.wait(), timeout)
         return p.record
