@@ -19,7 +19,10 @@ from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
 
 from harness import InProcessPlatform, experiment, wait_run_ended
 
-SIM = {"length_median": 12.0, "length_sigma": 1.6, "step_s": 0.01, "max_batch": 64, "load_s": 0.02}
+# Generations of about a second, with a tail of several (p90 ~ 4 s), against learner steps
+# of about a second: when a batch fills, other groups are still generating, so aborts
+# really hit samples mid-generation (with 0.1 s generations they had all finished).
+SIM = {"length_median": 40.0, "length_sigma": 1.2, "step_s": 0.02, "max_batch": 64, "load_s": 0.02}
 
 
 async def _april_run(nats_server, bus, pg_url, run_dir, **algorithm):
