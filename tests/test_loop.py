@@ -23,7 +23,7 @@ from harness import InProcessPlatform, experiment, wait_for
 @pytest.mark.timeout(240)
 async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg_url, run_dir):
     exporter = InMemorySpanExporter()
-    exp = experiment(run_dir, nats_server.url, pg_url, telemetry={"log_format": "text", "metrics_port": 0},
+    exp = experiment(run_dir, nats_server.url, pg_url, telemetry={"log_format": "text", "metrics_port": 0, "metrics_linger_s": 120},
                      learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "queue_sample_s": 0.5})
     platform = InProcessPlatform(exp, exporter)
     run_id = platform.config("learner").run.id
@@ -105,7 +105,7 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
             gen = by_id.get(gen.parent.span_id) if gen.parent else None
         assert chain[-1] == "controller.dispatch" and "rollout.trajectory" in chain, chain
 
-        # --- every service's /metrics, scraped while it runs, names what the design lists
+        # --- every service's /metrics, scraped while it runs (the learner, done, lingers for this), names what the design lists
         scraped = {}
         async with httpx.AsyncClient() as http:
             for name in ("learner", "rollout", "reward", "weights"):

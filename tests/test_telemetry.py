@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 import logging
 
 from kiln.shared.config import TelemetrySettings
@@ -43,3 +46,39 @@ def test_trace_file_gets_every_span_at_shutdown(tmp_path):
     assert spans[0]["resource"]["attributes"]["service.name"] == "kiln-svc"
     assert headers["traceparent"].split("-")[1] == spans[1]["context"]["trace_id"].removeprefix("0x")
     assert extract_context(headers) is not None
+
+
+async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus):
+    """A service whose work ends by itself (the learner at the end of a run) keeps ``/metrics``
+    up for ``metrics_linger_s``, so the last scrape sees the final values; a stop cuts the
+    linger short, and health replies stop naming the endpoint before it closes."""
+    import asyncio
+
+    import httpx
+
+    from kiln.shared import contracts as c
+    from kiln.shared.config import NatsSettings, ServiceConfig
+    from kiln.shared.service import run_service
+
+    cfg = ServiceConfig(nats=NatsSettings(url=nats_server.url),
+                        telemetry=TelemetrySettings(log_format="text", metrics_port=0, metrics_linger_s=60))
+    body_done, stop = asyncio.Event(), asyncio.Event()
+
+    async def body(ctx):
+        ctx.meter.create_counter("kiln_test_work_done").add(3)
+        body_done.set()
+
+    task = asyncio.create_task(run_service("lingerer", cfg, body, stop=stop, install_signals=False,
+                                           set_global_telemetry=False))
+    await asyncio.wait_for(body_done.wait(), 20)
+    await asyncio.sleep(0.5)  # past the point where the endpoint used to close
+    h = await bus.request(f"{c.HEALTH_PREFIX}.lingerer", c.HealthProbe(), c.HealthReply)
+    async with httpx.AsyncClient() as http:
+        r = await http.get(h.detail["metrics_url"])
+    assert r.status_code == 200 and re.search(r"^kiln_test_work_done_total\{.*\} 3.0$", r.text, re.M)
+    assert not task.done()
+    stop.set()
+    await asyncio.wait_for(task, 10)  # the stop ends the linger, not the 60 s
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get(h.detail["metrics_url"])

@@ -86,6 +86,10 @@ class TelemetrySettings(Section):
     """Bind address of the metrics endpoint; anything beyond loopback needs ``metrics_token``."""
     metrics_token: str = ""
     """Bearer token the metrics endpoint demands (Prometheus: ``authorization.credentials``)."""
+    metrics_linger_s: float = 0.0
+    """When the service's work ends by itself (the learner, once the run is finished), keep
+    ``/metrics`` up this long (or until stopped) so a last scrape sees the final values; set
+    it above Prometheus' scrape interval where one scrapes."""
     health_file: str = ""
     """Touch this file every few seconds while the service's event loop is alive (container
     healthchecks run ``kiln health --file``); ``{service}`` is substituted."""

@@ -122,11 +122,16 @@ async def run_service(
             beat = asyncio.create_task(_liveness(Path(config.telemetry.health_file.replace("{service}", name)), stop))
         log.info("%s started as %s", name, instance)
         await body(ctx)
+        if metrics_task and config.telemetry.metrics_linger_s > 0 and not stop.is_set():
+            log.info("work done; metrics stay up for %.0f s for a last scrape", config.telemetry.metrics_linger_s)
+            await wait_or_stop(stop, config.telemetry.metrics_linger_s)
         log.info("%s stopped", name)
     finally:
         if beat:
             beat.cancel()
         if metrics_task:
+            # Health replies stop naming the endpoint before it goes away.
+            ctx.health_detail.pop("metrics_url", None)
             metrics_stop.set()
             await metrics_task
         if bus:
