@@ -60,8 +60,8 @@ def request(**kw) -> c.RolloutRequest:
                             deadline=kw.pop("deadline", time.time() + 60), **kw)
 
 
-async def episode(engine, envpool, **settings):
-    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
+async def episode(engine, envpool, tools=(), **settings):
+    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0, tools=tools)
     return await run_episode(spec, engine, TOK, envpool, RolloutSettings(**settings), trace.get_tracer("t"))
 
 
@@ -99,6 +99,20 @@ async def test_multi_turn_episode_fixes_the_bug(envpool):
     assert r.exit_code == 0
     assert t.final_diff.changed == {"calc.py": TASK.files["calc.py"].replace("a - b", "a + b")}
     assert t.final_diff.deleted == [] and t.final_diff.binary == []
+
+
+async def test_only_the_offered_tools_are_in_the_prompt_and_callable(envpool):
+    engine = ScriptedEngine([
+        tool_call("run_terminal_cmd", command=TASK.test_command) + tool_call("read_file", path="calc.py") + chat.EOS,
+        "Done." + chat.EOS,
+    ])
+    t = await episode(engine, envpool, tools=("edit_file", "read_file"))
+    system = TOK.decode(engine.prompts[0], skip_special_tokens=False)
+    assert '"name": "read_file"' in system and '"name": "edit_file"' in system
+    assert "run_terminal_cmd" not in system and "semantic_search" not in system
+    observations = [m.content for m in t.messages if m.role == "tool"]
+    assert json.loads(observations[0]) == {"error": "unknown tool 'run_terminal_cmd'; available tools: read_file, edit_file"}
+    assert observations[1] == TASK.files["calc.py"] and t.malformed_tool_calls == 1
 
 
 async def test_budgets_end_the_episode(envpool):

@@ -46,6 +46,8 @@ def test_errors_are_clear(tmp_path):
         load_config(RolloutConfig, tmp_path / "missing.toml")
     with pytest.raises(ValueError, match="section.key=value"):
         parse_overrides(["no-equals-sign"])
+    with pytest.raises(ValidationError, match=r"unknown tools \['read_fle'\]; the tools are read_file, edit_file"):
+        load_config(RolloutConfig, None, ['tasks.tools=["read_fle"]'])
 
 
 def _fields(model: type[BaseModel], prefix=""):

@@ -207,3 +207,32 @@ def test_mixtral_family_has_no_qk_norm_and_renormalises():
     m = MoEForCausalLM(cfg)
     assert not any("q_norm" in n or "k_norm" in n for n, _ in m.named_parameters())
     assert m.layers[0].mlp.norm_topk and cfg.to_hf()["model_type"] == "mixtral"
+
+
+def test_activation_checkpointing_keeps_gradients_and_frees_activations():
+    """Recomputing layers in the backward pass gives the same gradients (and load-balancing
+    statistics) while the forward keeps a fraction of the activations alive."""
+    cfg = MoEConfig(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)  # fmt: skip
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    attn[1, 30:] = 0
+    grads, saved = {}, {}
+    for ac in (False, True):
+        m = MoEForCausalLM(cfg).init_weights(0, std=0.2).train()
+        m.activation_checkpointing = ac
+        nbytes = []
+
+        def pack(t):
+            nbytes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, routers = sequence_logprobs(m, ids, attn)
+            loss = -(lp * attn).sum() + m.load_balancing_loss(routers)
+        saved[ac] = sum(nbytes)
+        loss.backward()
+        grads[ac] = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, rtol=1e-5, atol=1e-6, msg=n)
+    assert saved[True] < 0.5 * saved[False], saved

@@ -53,12 +53,13 @@ class Replay(InferenceEngine):
         return Generation(ids, [-0.1] * len(ids), 0, "stop")
 
 
-async def test_demonstration_is_what_the_agent_loop_builds(envpool):
+@pytest.mark.parametrize("tools", [(), ("read_file", "edit_file")], ids=["all-tools", "two-tools"])
+async def test_demonstration_is_what_the_agent_loop_builds(envpool, tools):
     task = SUITE.get("fix-calc")
     turns = demonstration(task)
-    ids, mask = encode(task, turns, TOK)
+    ids, mask = encode(task, turns, TOK, tools)
     req = c.RolloutRequest(run_id="r", group_id="g", task_id=task.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60)
-    spec = EpisodeSpec(request=req, sample_index=0, task=task, worker_id="w", seed=0, temperature=1.0)
+    spec = EpisodeSpec(request=req, sample_index=0, task=task, worker_id="w", seed=0, temperature=1.0, tools=tools)
     traj = await run_episode(spec, Replay([t for t, _ in turns]), TOK, envpool, RolloutSettings(max_turns=4), trace.get_tracer("t"))
     assert traj.status == c.TrajectoryStatus.FINISHED and traj.finish_reason == "no_tool_call"
     # The real tools answered what the demonstration says they answer...
@@ -67,6 +68,13 @@ async def test_demonstration_is_what_the_agent_loop_builds(envpool):
     assert traj.token_ids == ids and traj.loss_mask == mask
     r = await envpool.exec(traj.sandbox, task.test_command, 30)
     assert r.exit_code == 0, r.stdout + r.stderr  # the expert episode solves the task
+
+
+def test_warm_start_refuses_a_tool_set_without_the_demonstrated_tools():
+    model = MoEForCausalLM(MoEConfig(vocab_size=TOK.get_vocab_size(), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8))  # fmt: skip
+    with pytest.raises(ValueError, match="does not offer edit_file"):
+        warm_start(model, TOK, SUITE.split("train"), steps=1, lr=1e-3, batch=1, seed=0, tools=["read_file", "grep"])
 
 
 @pytest.mark.timeout(300)

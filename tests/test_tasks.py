@@ -80,3 +80,28 @@ def test_report_parser_unittest_and_pytest():
         "tests/test_x.py::test_two": CaseStatus.FAILED,
     }
     assert outcome(r, ["test_m.TestM.test_a", "never.ran"]) == {"test_m.TestM.test_a": CaseStatus.PASSED, "never.ran": CaseStatus.MISSING}
+
+
+CONSTANTS = load_suite("constants")
+
+
+def test_constants_suite_is_deterministic_and_its_splits_disjoint():
+    from kiln.shared.tasks.constants import HELDOUT, TRAIN, generate
+
+    assert [t.model_dump() for t in generate()] == [t.model_dump() for t in CONSTANTS.tasks]
+    assert len(CONSTANTS.split("train")) == TRAIN and len(CONSTANTS.split("heldout")) == HELDOUT
+    key = lambda t: tuple(t.metadata[k] for k in ("module", "constant", "old", "new"))  # noqa: E731
+    assert not {key(t) for t in CONSTANTS.split("train")} & {key(t) for t in CONSTANTS.split("heldout")}
+    t = CONSTANTS.tasks[0]
+    m = t.metadata
+    assert f"`{m['constant']}` in `{m['module']}` is {m['old']} but must be {m['new']}" in t.problem_statement
+    assert f"{m['constant']} = {m['old']}\n" in t.files[m["module"]]
+
+
+@pytest.mark.parametrize("task", CONSTANTS.tasks[:3] + CONSTANTS.split("heldout")[:3], ids=lambda t: t.id)
+def test_constants_task_is_valid(task: Task):
+    before = outcome(_run(task.files, task.test_command), task.fail_to_pass + task.pass_to_pass)
+    after = outcome(_run({**task.files, **task.solution}, task.test_command), task.fail_to_pass + task.pass_to_pass)
+    assert [before[t] for t in task.fail_to_pass] == [CaseStatus.FAILED]
+    assert all(before[t] == CaseStatus.PASSED for t in task.pass_to_pass), before
+    assert all(s == CaseStatus.PASSED for s in after.values()), after

@@ -19,8 +19,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kiln.shared.tools import offered
 
 CONFIG_ENV = "KILN_CONFIG"
 
@@ -97,9 +99,22 @@ class TelemetrySettings(Section):
 
 class TaskSettings(Section):
     suite: str = "builtin"
-    """Task suite: ``builtin`` or a path to a JSONL file or a directory of tasks (docs/tasks.md)."""
+    """Task suite: ``builtin`` (bug fixes shipped in the package), ``constants`` (a
+    generated family of configuration fixes, what the ``tiny`` preset learns), or a path
+    to a JSONL file or a directory of tasks (docs/tasks.md)."""
     split: str = "train"
     """Split of the suite the controller samples training groups from."""
+    tools: list[str] = []
+    """Tools the policy is offered (their schemas are in its system prompt) and may call;
+    a call to any other is an ``unknown tool`` observation. Empty: all of them
+    (``kiln.shared.tools.TOOLS``). A smaller set is a shorter prompt: the ``tiny`` preset
+    offers ``read_file`` and ``edit_file`` only."""
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, v: list[str]) -> list[str]:
+        offered(v)
+        return v
 
 
 class ModelSettings(Section):

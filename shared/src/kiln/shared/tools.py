@@ -8,6 +8,7 @@ schema the model sees and the one the sandbox enforces are the same object.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -86,10 +87,20 @@ READ_ONLY_TOOLS = frozenset({"read_file", "list_dir", "grep", "semantic_search"}
 """Tools that may run concurrently within one turn; the others run in call order."""
 
 
-def tool_schemas() -> list[dict[str, Any]]:
-    """OpenAI/Hermes-style function schemas, in a stable order."""
+def offered(names: Sequence[str] = ()) -> list[str]:
+    """The tools a run offers, in ``TOOLS`` order: ``names`` (checked), or all when empty."""
+    unknown = [n for n in names if n not in TOOLS]
+    if unknown:
+        raise ValueError(f"unknown tools {unknown}; the tools are {', '.join(TOOLS)}")
+    return [n for n in TOOLS if not names or n in names]
+
+
+def tool_schemas(names: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """OpenAI/Hermes-style function schemas of the offered tools (all when ``names`` is
+    empty), in a stable order."""
     out = []
-    for name, (args, desc) in TOOLS.items():
+    for name in offered(names):
+        args, desc = TOOLS[name]
         schema = args.model_json_schema()
         schema.pop("title", None)
         for key, prop in schema.get("properties", {}).items():
@@ -112,9 +123,11 @@ class ToolCallError(ValueError):
     """A call the model made that cannot run; its message is the model's observation."""
 
 
-def validate_call(name: str, arguments: Any) -> _Args:
-    if name not in TOOLS:
-        raise ToolCallError(f"unknown tool {name!r}; available tools: {', '.join(TOOLS)}")
+def validate_call(name: str, arguments: Any, names: Sequence[str] = ()) -> _Args:
+    """The parsed arguments of a call to one of the offered tools (all when ``names`` is empty)."""
+    available = offered(names)
+    if name not in available:
+        raise ToolCallError(f"unknown tool {name!r}; available tools: {', '.join(available)}")
     if not isinstance(arguments, dict):
         raise ToolCallError(f"arguments of {name} must be a JSON object, got {type(arguments).__name__}")
     try:

@@ -61,6 +61,10 @@ class LearnerSettings(Section):
     """Rows per forward/backward within one optimizer step (gradients accumulate; the
     policy-gradient update is the same, the load-balancing loss is taken per chunk):
     bounds activation memory for long sequences or big models. 0: the whole batch."""
+    activation_checkpointing: bool = False
+    """Recompute every decoder layer's activations in the backward pass rather than keep
+    them: activation memory of one layer instead of all, for about a third more compute
+    per step (what lets the ``smollm2-moe`` preset train beside vLLM in 24 GB)."""
     sft_steps: int = Field(default=0, ge=0)
     """Supervised warm start before RL (``kiln.learner.sft``): optimizer steps on expert
     demonstrations of the training split; version 0 (and the KL reference) is the

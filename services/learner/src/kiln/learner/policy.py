@@ -40,8 +40,8 @@ from kiln.learner.world import World
 log = logging.getLogger("kiln.learner.policy")
 
 
-def tokenizer_corpus(suite: TaskSuite, repeats: int) -> list[str]:
-    texts = [chat.render_system(chat.SYSTEM_PROMPT, tool_schemas())]
+def tokenizer_corpus(suite: TaskSuite, repeats: int, tools: list[str] | tuple[str, ...] = ()) -> list[str]:
+    texts = [chat.render_system(chat.SYSTEM_PROMPT, tool_schemas(tools))]
     for t in suite.tasks:
         texts.append(chat.render_user(t.problem_statement) + chat.assistant_prefix())
         texts += list(t.files.values()) + list((t.solution or {}).values())
@@ -107,7 +107,7 @@ class Policy:
             special_id(self.tokenizer, chat.EOS)  # the chat format needs its end-of-turn token
             self.model = load_checkpoint(self.init_folder)
         else:
-            self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats), cfg.model.vocab_size)
+            self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats, cfg.tasks.tools), cfg.model.vocab_size)
             # The settings name a subset of MoEConfig's fields; the vocabulary is what BPE reached.
             arch = cfg.model.model_dump(exclude={"vocab_size", "init_from", "cache_dir"})
             self.model = MoEForCausalLM(
@@ -119,6 +119,7 @@ class Policy:
         if world is None:
             want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             self.model.to(want)
+        self.model.activation_checkpointing = lc.activation_checkpointing
         if lc.sft_steps:
             self.init_folder = self._warm_start(suite)
         self.precision = apply_precision(
@@ -145,7 +146,7 @@ class Policy:
             return folder
         lc = self.cfg.learner
         losses = warm_start(self.model, self.tokenizer, suite.split(self.cfg.tasks.split), steps=lc.sft_steps, lr=lc.sft_lr,
-                            batch=lc.sft_batch, seed=self.cfg.run.seed)  # fmt: skip
+                            batch=lc.sft_batch, seed=self.cfg.run.seed, tools=self.cfg.tasks.tools)  # fmt: skip
         log.info("warm start: %d steps, loss %.3f -> %.3f", lc.sft_steps, losses[0], losses[-1])
         tmp = folder.with_name(f"sft-init.tmp{os.getpid()}")
         save_checkpoint(self.model, tmp, self.tokenizer)

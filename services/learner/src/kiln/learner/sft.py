@@ -17,6 +17,7 @@ the split the run trains on are demonstrated, never held-out ones.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 import json
 import logging
 import random
@@ -29,9 +30,12 @@ from kiln.shared import chat
 from kiln.shared.model import MoEForCausalLM, sequence_logprobs
 from kiln.shared.model.tokenizer import special_id
 from kiln.shared.tasks import Task
-from kiln.shared.tools import tool_schemas
+from kiln.shared.tools import offered, tool_schemas
 
 log = logging.getLogger("kiln.learner.sft")
+
+
+DEMONSTRATED_TOOLS = ("read_file", "edit_file")
 
 
 def _call(name: str, **arguments) -> str:
@@ -64,11 +68,12 @@ def demonstration(task: Task) -> list[tuple[str, str]] | None:
     ]
 
 
-def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask of a demonstration, built as ``kiln.rollout.agent`` builds an episode."""
+def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequence[str] = ()) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a demonstration, built as ``kiln.rollout.agent`` builds an
+    episode offered ``tools`` (all when empty)."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
     eos = special_id(tok, chat.EOS)
-    ids = enc(chat.render_system(chat.SYSTEM_PROMPT, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix())
+    ids = enc(chat.render_system(chat.SYSTEM_PROMPT, tool_schemas(tools)) + chat.render_user(task.problem_statement) + chat.assistant_prefix())
     mask = [0] * len(ids)
     for text, obs in turns:
         out = enc(text) + [eos]
@@ -80,10 +85,16 @@ def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer) -> tuple[li
     return ids, mask
 
 
-def warm_start(model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int) -> list[float]:
+def warm_start(
+    model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int, tools: Sequence[str] = ()
+) -> list[float]:
     """``steps`` AdamW steps of next-token cross-entropy on the demonstrations' assistant
-    tokens (a fresh optimizer: RL starts with its own). Returns the loss per step."""
-    data = [encode(t, d, tok) for t in tasks if (d := demonstration(t)) is not None]
+    tokens (a fresh optimizer: RL starts with its own), with the system prompt offering
+    ``tools`` (all when empty). Returns the loss per step."""
+    missing = [n for n in DEMONSTRATED_TOOLS if n not in offered(tools)]
+    if missing:
+        raise ValueError(f"the warm start demonstrates {', '.join(DEMONSTRATED_TOOLS)} but tasks.tools does not offer {', '.join(missing)}")
+    data = [encode(t, d, tok, tools) for t in tasks if (d := demonstration(t)) is not None]
     if not data:
         raise ValueError("no task of the training split has a reference solution to demonstrate")
     rng = random.Random(seed)

@@ -61,6 +61,8 @@ class EpisodeSpec:
     temperature: float
     max_staleness: int | None = None
     """None: no staleness check (sync and async modes leave it to the learner)."""
+    tools: tuple[str, ...] = ()
+    """The tools offered (``tasks.tools``); empty: all."""
 
 
 @dataclass
@@ -130,7 +132,7 @@ async def run_episode(
     if resume is None:
         system = chat.SYSTEM_PROMPT
         messages = [c.ChatMessage(role="system", content=system), c.ChatMessage(role="user", content=task.problem_statement)]
-        seq.context(enc(chat.render_system(system, tool_schemas()) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
+        seq.context(enc(chat.render_system(system, tool_schemas(spec.tools)) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
         malformed = turns = 0
         sandbox = None
         creating = asyncio.create_task(envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s))
@@ -221,7 +223,7 @@ async def run_episode(
                 malformed += 1
                 continue
             try:
-                validate_call(p.name, p.arguments)
+                validate_call(p.name, p.arguments, spec.tools)
             except ToolCallError as e:
                 results[p.id] = json.dumps({"error": str(e)})
                 malformed += 1

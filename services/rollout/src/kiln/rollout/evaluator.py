@@ -81,6 +81,7 @@ class EvalWorker(RolloutWorker):
             spec = EpisodeSpec(
                 request=rr, sample_index=index, task=task, worker_id=self.ctx.instance,
                 seed=stable_seed("eval", req.seed, req.task_id, req.mode, index), temperature=req.temperature,
+                tools=tuple(self.cfg.tasks.tools),
             )  # fmt: skip
             traj = await run_episode(spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer)
             traj = traj.model_copy(update={"purpose": "eval", "eval_id": req.eval_id})

@@ -248,6 +248,7 @@ class RolloutWorker:
                 seed=stable_seed(self.cfg.run.seed, req.group_id, index, req.dispatch_version, *([restart] if restart else [])),
                 temperature=temperature,
                 max_staleness=0 if alg.mode == "sync" else alg.max_staleness,
+                tools=tuple(self.cfg.tasks.tools),
             )
             m = self.ctx.metrics
             m.in_flight.add(1)

@@ -13,7 +13,8 @@ A task is a small repository with a problem, SWE-bench style:
 
 A suite is a JSONL file (one task per line), a directory of task folders
 (``<id>/task.toml``, ``<id>/repo/``, ``<id>/tests/``, optional ``<id>/solution/``), or
-``builtin`` (the JSONL shipped in this package).
+``builtin`` (the JSONL shipped in this package), or ``constants`` (a procedurally
+generated family of configuration fixes: ``kiln.shared.tasks.constants``).
 """
 
 from __future__ import annotations
@@ -87,8 +88,17 @@ class TaskSuite:
 
 
 def load_suite(spec: str) -> TaskSuite:
-    """``builtin``, a ``.jsonl`` file, or a directory of task folders."""
+    """``builtin``, ``constants``, a ``.jsonl`` file, or a directory of task folders."""
+    if spec == "constants":
+        return _constants()
     return _load(str(BUILTIN) if spec == "builtin" else str(Path(spec).resolve()))
+
+
+@lru_cache(maxsize=1)
+def _constants() -> TaskSuite:
+    from kiln.shared.tasks.constants import generate
+
+    return TaskSuite(generate(), "constants")
 
 
 @lru_cache(maxsize=8)
