@@ -162,7 +162,7 @@ class EvalCollector:
             session.add(rec)
         p.record = rec
         p.done.set()
-        log.info("version %d: greedy pass %.0f%%, %s", p.version, 100 * greedy, ", ".join(f"pass@{k} {v:.0%}" for k, v in pass_k.items()))
+        log.info("version %d: greedy pass %.0f%%%s", p.version, 100 * greedy, "".join(f", pass@{k} {v:.0%}" for k, v in pass_k.items()))
 
     async def wait(self, eval_id: str, timeout: float | None = None) -> EvalRecord | None:
         """The evaluation's row once recorded (None: nothing came back before its timeout)."""
