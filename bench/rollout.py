@@ -3,7 +3,7 @@
     .venv/bin/python bench/rollout.py [--steps 8] [--groups 4] [--samples 4] [--sigma 1.0]
 
 Each mode runs the whole platform as ``kiln run`` does (every service a process,
-embedded NATS and database, the learner training the ``configs/tiny.toml`` policy, reward
+embedded NATS and database, the learner training the ``configs/smoke.toml`` policy, reward
 running each task's tests in a sandbox) with the ``sim`` engine: one rollout process
 whose decoder fits ``groups x samples`` sequences per step (``max_batch``, the same
 compute for every mode) and lognormal generation lengths (median ``--median`` tokens,
@@ -64,7 +64,7 @@ def overrides(args, run_root: Path, mode: str) -> list[str]:
 async def run_mode(args, run_root: Path, mode: str) -> dict:
     from kiln.shared.launcher import LocalPlatform
 
-    platform = LocalPlatform(str(ROOT / "configs" / "tiny.toml"), overrides(args, run_root, mode))
+    platform = LocalPlatform(str(ROOT / "configs" / "smoke.toml"), overrides(args, run_root, mode))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = await platform.run()

@@ -156,7 +156,7 @@ def one_step_deltas() -> list[str]:
     rows = []
     for lr in (1e-3, 1e-5, 1e-6):
         random.seed(0)
-        pol = Policy(load_config(LearnerConfig, "configs/tiny.toml", [f"algorithm.lr={lr}"]), load_suite("builtin"))
+        pol = Policy(load_config(LearnerConfig, "configs/smoke.toml", [f"algorithm.lr={lr}"]), load_suite("builtin"))
         vocab = pol.tokenizer.get_vocab_size()
 
         def traj(i):

@@ -101,6 +101,24 @@ async def test_multi_turn_episode_fixes_the_bug(envpool):
     assert t.final_diff.deleted == [] and t.final_diff.binary == []
 
 
+async def test_calls_with_bad_arguments_are_observations(envpool):
+    engine = ScriptedEngine([
+        tool_call("read_file", file="calc.py") + tool_call("edit_file", path="calc.py", old=3, new="x")
+        + tool_call("read_file", path="calc.py", start_line="one") + chat.EOS,
+        tool_call("read_file", path="calc.py") + chat.EOS,
+        "Nothing to fix." + chat.EOS,
+    ])  # fmt: skip
+    t = await episode(engine, envpool, max_turns=4)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "no_tool_call" and t.malformed_tool_calls == 3
+    errors = [json.loads(m.content)["error"] for m in t.messages if m.role == "tool"][:3]
+    assert "read_file: path: Field required" in errors[0] and "file: Extra inputs" in errors[0]
+    assert "edit_file: old: Input should be a valid string" in errors[1]
+    assert "start_line: Input should be a valid integer" in errors[2]
+    # The worker went on: the next turn's valid call was executed.
+    assert [m.content for m in t.messages if m.role == "tool"][3] == TASK.files["calc.py"]
+    assert t.final_diff.changed == {}
+
+
 async def test_only_the_offered_tools_are_in_the_prompt_and_callable(envpool):
     engine = ScriptedEngine([
         tool_call("run_terminal_cmd", command=TASK.test_command) + tool_call("read_file", path="calc.py") + chat.EOS,

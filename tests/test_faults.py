@@ -121,3 +121,50 @@ async def test_broken_environment_fails_the_run_with_its_reason(nats_server, pg_
     reasons = sorted(g.reason for g in groups)
     assert reasons.count("infra_error") == 4  # the limit is 3: the fourth drop ends the run
     assert set(reasons) <= {"infra_error", "run_finished"}, reasons
+
+
+@pytest.mark.timeout(180)
+async def test_a_dead_engine_stops_its_worker_and_its_work_goes_to_another(nats_server, bus, pg_url, run_dir, monkeypatch):
+    """A rollout worker whose engine dies (vLLM's core crashed) exits with the reason and
+    hands its group back; it does not fail every request it takes until they are all
+    dead-lettered. Another replica trains the run to the end."""
+    import kiln.rollout.main as rollout_main
+    from kiln.rollout.engine import EngineDead, TorchEngine
+    from kiln.shared.service import ServiceFailed
+
+    class DyingEngine(TorchEngine):
+        async def generate(self, *a, **kw):
+            raise EngineDead("engine core died (test)")
+
+    make_engine = rollout_main.make_engine
+    monkeypatch.setattr(
+        rollout_main, "make_engine", lambda cfg, instance: DyingEngine() if instance == "rollout-doomed" else make_engine(cfg, instance)
+    )
+    exp = experiment(run_dir, nats_server.url, pg_url, algorithm={"steps": 1, "groups_per_step": 2, "samples_per_group": 2})
+    platform = InProcessPlatform(exp)
+    run_id = platform.config("learner").run.id
+    db = Database(pg_url)
+    try:
+        for name in ("env-pool", "weights", "reward"):
+            await platform.start(name)
+        doomed = await platform.start("rollout", instance="rollout-doomed")
+        await platform.start("learner", wait_ready=False)
+        with pytest.raises(ServiceFailed, match="rollout-doomed failed: engine core died"):
+            await asyncio.wait_for(asyncio.shield(doomed.task), 90)
+        platform.running.remove(doomed)
+        await platform.start("rollout", instance="rollout-healthy")
+
+        async def finished():
+            assert not platform.failed(), platform.failed()
+            _, _, run = await _groups_and_run(db, run_id)
+            return run is not None and run.status != "running"
+
+        await wait_for(finished, 120, 0.5, "run ended")
+        groups, _, run = await _groups_and_run(db, run_id)
+        assert run.status == "finished", run.detail
+        assert sorted(g.status for g in groups) == ["trained", "trained"]
+        info = await bus.js.stream_info("KILN_DLQ")
+        assert info.state.messages == 0, "work of the dead engine was dead-lettered"
+    finally:
+        await platform.stop_all()
+        await db.close()

@@ -356,3 +356,13 @@ def test_micro_batches_give_the_same_update(variant):
             assert out[k] == pytest.approx(outs[0][k], rel=1e-5, abs=1e-7), k
         assert out["aux_loss"] == pytest.approx(outs[0]["aux_loss"], rel=0.05)
         assert torch.allclose(p, params[0], atol=1e-6)
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_the_last_step():
+    from kiln.learner.policy import _Schedule
+
+    s = _Schedule(warmup=4, total=20, decay_to=0.1)
+    assert [s(i) for i in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert s(4) == 1.0 and abs(s(19) - 0.1) < 1e-12 and s(30) == s(19)
+    assert all(s(i) > s(i + 1) for i in range(4, 19))
+    assert [_Schedule(0)(i) for i in (0, 50)] == [1.0, 1.0]

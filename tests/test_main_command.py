@@ -1,4 +1,4 @@
-"""The README's main command, as a user runs it: `kiln run --config configs/tiny.toml`
+"""The README's main command, as a user runs it: `kiln run --config configs/smoke.toml`
 starts nats-server, PostgreSQL and every service as processes, runs 3 policy versions
 and exits 0; the version stamping is then checked from the database itself, and the
 traces of one trajectory from the services' trace files. Ctrl-C stops everything."""
@@ -49,7 +49,7 @@ def finished_run(tmp_path_factory):
     """One run of the README's main command, shared by the tests of its results."""
     root = tmp_path_factory.mktemp("runs")
     proc = subprocess.run(
-        [*KILN, "run", "--config", str(REPO / "configs" / "tiny.toml"), "--set", f"run.root={root}"],
+        [*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={root}"],
         capture_output=True, text=True, timeout=380, cwd=REPO,
     )
     return proc.returncode, proc.stdout + proc.stderr
@@ -102,7 +102,7 @@ def test_main_command_runs_three_versions_end_to_end(finished_run):
 @pytest.mark.timeout(200)
 def test_ctrl_c_stops_everything(tmp_path):
     proc = subprocess.Popen(
-        [*KILN, "run", "--config", str(REPO / "configs" / "tiny.toml"), "--set", f"run.root={tmp_path}",
+        [*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={tmp_path}",
          "--set", "algorithm.steps=100"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )

@@ -98,3 +98,23 @@ def test_warm_start_teaches_a_fresh_policy_the_tool_format():
     # longer imitation and RL have to add (measured: 120 steps name a module of another task).
     modules = {expert_edit(t)[0] for t in SUITE.tasks}
     assert calls and calls[0].name == "read_file" and calls[0].arguments.get("path") in modules, TOK.decode(gen.token_ids)
+
+
+@pytest.mark.timeout(300)
+def test_warm_start_stops_once_greedy_decoding_writes_the_demonstrations():
+    """``stop_match``: the warm start ends when that fraction of its recent demonstrations
+    is reproduced token for token by argmax; greedy decoding then writes the expert's turn."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(vocab_size=TOK.get_vocab_size(), eos_token_id=special_id(TOK, chat.EOS), hidden_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                    moe_intermediate_size=32)  # fmt: skip
+    model = MoEForCausalLM(cfg).init_weights(0)
+    task, tools = SUITE.split("train")[0], ("read_file", "edit_file")
+    losses = warm_start(model, TOK, [task], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0)
+    assert len(losses) < 600, "one demonstration should be learned by heart long before 600 steps"
+    turns = demonstration(task)
+    prompt, _ = encode(task, [], TOK, tools)
+    engine = TorchEngine(1)
+    engine.model, engine.version = model.eval(), 0
+    gen = asyncio.run(engine.generate(prompt, 96, {special_id(TOK, chat.EOS)}, 0.0, 0))
+    assert TOK.decode(gen.token_ids[:-1], skip_special_tokens=False) == turns[0][0]

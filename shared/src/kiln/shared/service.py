@@ -47,6 +47,8 @@ class ServiceContext:
     """Set by the service body once it serves (subscriptions made, consumers bound)."""
     started_at: float = field(default_factory=time.time)
     health_detail: dict = field(default_factory=dict)
+    failure: str = ""
+    """Set by ``fail``: why this process cannot go on; it drains and exits non-zero."""
 
     _metrics: object = None
     metrics_url: str = ""
@@ -55,6 +57,16 @@ class ServiceContext:
     @property
     def tracer(self):
         return self.telemetry.tracer
+
+    def fail(self, reason: str) -> None:
+        """This process can do no more useful work (e.g. its inference engine died): stop
+        it, so that its unacked messages go to the other replicas and whoever supervises
+        it (``kiln run``, a container runtime) sees a failed service instead of a live
+        one that fails every message it takes."""
+        if not self.failure:
+            log.critical("%s cannot go on: %s", self.instance, reason)
+            self.failure = reason
+        self.stop.set()
 
     @property
     def meter(self):
@@ -69,6 +81,10 @@ class ServiceContext:
 
             self._metrics = instruments(self.meter, self.name)
         return self._metrics
+
+
+class ServiceFailed(RuntimeError):
+    """Raised out of ``run_service`` after ``ServiceContext.fail``: the process exits non-zero."""
 
 
 def default_instance(name: str) -> str:
@@ -122,6 +138,8 @@ async def run_service(
             beat = asyncio.create_task(_liveness(Path(config.telemetry.health_file.replace("{service}", name)), stop))
         log.info("%s started as %s", name, instance)
         await body(ctx)
+        if ctx.failure:
+            raise ServiceFailed(f"{instance} failed: {ctx.failure}")
         if metrics_task and config.telemetry.metrics_linger_s > 0 and not stop.is_set():
             log.info("work done; metrics stay up for %.0f s for a last scrape", config.telemetry.metrics_linger_s)
             await wait_or_stop(stop, config.telemetry.metrics_linger_s)

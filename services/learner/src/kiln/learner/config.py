@@ -69,12 +69,22 @@ class LearnerSettings(Section):
     """Supervised warm start before RL (``kiln.learner.sft``): optimizer steps on expert
     demonstrations of the training split; version 0 (and the KL reference) is the
     warm-started policy. 0: RL starts from the initial weights."""
+    sft_stop_match: float = Field(default=0.0, ge=0, le=1)
+    """End the warm start before ``sft_steps`` once this fraction of the demonstrations of
+    its last 20 steps is reproduced (every assistant token the most likely one: greedy
+    decoding writes it); 0: run every step. Where imitation ends decides what RL starts
+    from, and the step at which a small policy learns to copy from its prompt is abrupt
+    and varies with the seed."""
     sft_lr: float = 3e-3
     """Learning rate of the warm start."""
     sft_batch: int = Field(default=8, ge=1)
     """Demonstrations per warm-start step."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up over this many optimizer steps (0 = none)."""
+    lr_decay_to: float = Field(default=1.0, gt=0, le=1)
+    """After the warm-up, decay the learning rate linearly to this fraction of
+    ``algorithm.lr`` at the run's last step (1: constant). The version a run ends on is
+    the one it is judged by; a decayed rate keeps the last steps from moving it far."""
     checkpoint_dir: str = ""
     """Root of the learner's whole-state checkpoints (DCP); empty = ``<run.dir>/learner``.
     One checkpoint per step is committed before that step's version is handed over."""

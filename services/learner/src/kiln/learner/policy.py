@@ -65,15 +65,21 @@ class StepStats:
     tis_capped_frac: float = 0.0
 
 
-class _Warmup:
-    """Linear LR warm-up over ``steps`` optimizer steps, then constant (picklable, so the
-    scheduler's state round-trips through a checkpoint)."""
+class _Schedule:
+    """Learning-rate factor: linear warm-up over ``warmup`` optimizer steps, then constant,
+    or with ``decay_to`` < 1 a linear decay to that fraction at step ``total`` (picklable,
+    so the scheduler's state round-trips through a checkpoint)."""
 
-    def __init__(self, steps: int):
-        self.steps = steps
+    def __init__(self, warmup: int, total: int = 0, decay_to: float = 1.0):
+        self.warmup, self.total, self.decay_to = warmup, total, decay_to
 
     def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / (self.steps + 1)) if self.steps else 1.0
+        if self.warmup and step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        if self.decay_to >= 1.0 or self.total <= self.warmup:
+            return 1.0
+        done = min(1.0, (step - self.warmup) / max(1, self.total - 1 - self.warmup))
+        return 1.0 - (1.0 - self.decay_to) * done
 
 
 def initial_checkpoint(cfg: LearnerConfig) -> Path:
@@ -132,7 +138,9 @@ class Policy:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False if world is not None else None
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _Warmup(cfg.learner.lr_warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _Schedule(cfg.learner.lr_warmup_steps, a.steps, cfg.learner.lr_decay_to)
+        )
         self._reference: MoEForCausalLM | None = None
 
     def _warm_start(self, suite: TaskSuite) -> Path:
@@ -146,8 +154,8 @@ class Policy:
             return folder
         lc = self.cfg.learner
         losses = warm_start(self.model, self.tokenizer, suite.split(self.cfg.tasks.split), steps=lc.sft_steps, lr=lc.sft_lr,
-                            batch=lc.sft_batch, seed=self.cfg.run.seed, tools=self.cfg.tasks.tools)  # fmt: skip
-        log.info("warm start: %d steps, loss %.3f -> %.3f", lc.sft_steps, losses[0], losses[-1])
+                            batch=lc.sft_batch, seed=self.cfg.run.seed, tools=self.cfg.tasks.tools, stop_match=lc.sft_stop_match)  # fmt: skip
+        log.info("warm start: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
         tmp = folder.with_name(f"sft-init.tmp{os.getpid()}")
         save_checkpoint(self.model, tmp, self.tokenizer)
         try:

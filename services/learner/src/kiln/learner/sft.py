@@ -17,7 +17,7 @@ the split the run trains on are demonstrated, never held-out ones.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import json
 import logging
 import random
@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kiln.shared import chat
-from kiln.shared.model import MoEForCausalLM, sequence_logprobs
+from kiln.shared.model import MoEForCausalLM, token_logprobs
 from kiln.shared.model.tokenizer import special_id
 from kiln.shared.tasks import Task
 from kiln.shared.tools import offered, tool_schemas
@@ -36,6 +36,8 @@ log = logging.getLogger("kiln.learner.sft")
 
 
 DEMONSTRATED_TOOLS = ("read_file", "edit_file")
+STOP_WINDOW = 20
+"""Steps whose demonstrations are counted against ``stop_match`` (one batch is noisy)."""
 
 
 def _call(name: str, **arguments) -> str:
@@ -86,11 +88,19 @@ def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequ
 
 
 def warm_start(
-    model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int, tools: Sequence[str] = ()
+    model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int, tools: Sequence[str] = (),
+    stop_match: float = 0.0, on_step: Callable[[int, list[float]], None] | None = None,
 ) -> list[float]:
     """``steps`` AdamW steps of next-token cross-entropy on the demonstrations' assistant
     tokens (a fresh optimizer: RL starts with its own), with the system prompt offering
-    ``tools`` (all when empty). Returns the loss per step."""
+    ``tools`` (all when empty). With ``stop_match``, it ends as soon as that fraction of
+    the demonstrations of the last ``STOP_WINDOW`` steps is reproduced: every assistant
+    token is the most likely one given the demonstration before it, i.e. greedy decoding
+    writes the demonstration. That, not the step count or the mean loss, says how far
+    imitation got (a small policy learns to copy names and values from its prompt
+    abruptly, at a step that varies with the seed and architecture: docs/benchmarks.md).
+    ``on_step(steps_done, losses)`` is called after every step (``bench/warm_start.py``
+    evaluates the policy along the way). Returns the loss per step."""
     missing = [n for n in DEMONSTRATED_TOOLS if n not in offered(tools)]
     if missing:
         raise ValueError(f"the warm start demonstrates {', '.join(DEMONSTRATED_TOOLS)} but tasks.tools does not offer {', '.join(missing)}")
@@ -101,7 +111,8 @@ def warm_start(
     pad = special_id(tok, chat.PAD)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     device = next(model.parameters()).device
-    losses = []
+    losses: list[float] = []
+    reproduced: list[bool] = []
     t0 = time.monotonic()
     model.train()
     for step in range(steps):
@@ -116,14 +127,25 @@ def warm_start(
             attn[i, : len(x)] = 1
             mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
         ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-        lp, _ = sequence_logprobs(model, ids, attn, 1.0)
+        logits, _ = model(ids, attention_mask=attn)
+        logits, target, mask = logits[:, :-1], ids[:, 1:], mask[:, 1:]  # position t predicts token t + 1
+        lp = token_logprobs(logits, target, 1.0)
         loss = -torch.where(mask > 0, lp, torch.zeros_like(lp)).sum() / mask.sum()
+        reproduced += ((logits.detach().argmax(-1) == target) | (mask == 0)).all(dim=1).tolist()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            log.info("sft step %d/%d: loss %.4f (%.0fs)", step + 1, steps, losses[-1], time.monotonic() - t0)
+        if on_step is not None:
+            on_step(step + 1, losses)
+        recent = reproduced[-STOP_WINDOW * batch :]
+        match = sum(recent) / len(recent)
+        reached = stop_match > 0 and len(losses) >= STOP_WINDOW and match >= stop_match
+        if step % 50 == 0 or step == steps - 1 or reached:
+            log.info("sft step %d/%d: loss %.4f, reproduced %.0f%% (%.0fs)", step + 1, steps, losses[-1], 100 * match, time.monotonic() - t0)
+        if reached:
+            log.info("sft: %.0f%% of the last %d demonstrations reproduced: warm start ends at step %d", 100 * match, len(recent), step + 1)
+            break
     model.eval()
     return losses

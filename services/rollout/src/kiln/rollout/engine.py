@@ -12,7 +12,9 @@ Invariants:
 - logprobs are the behaviour policy's, at the sampling temperature, as the engine
   computed them (never recomputed: engines are not bit-stable across reloads);
 - an aborted generation keeps its tokens: nothing sampled is lost, the caller decides
-  whether to resume from it or discard it.
+  whether to resume from it or discard it;
+- an engine that cannot go on raises ``EngineDead`` (never a per-request error that
+  would have every message this worker takes fail and be dead-lettered).
 
 Implementations: ``TorchEngine`` (the shared model in-process), ``VllmEngine``
 (``kiln.rollout.vllm_engine``), ``SimEngine`` (``kiln.rollout.sim``: no model, timing
@@ -50,6 +52,11 @@ class Generation:
             self.versions = [self.version] * len(self.token_ids)
         if not (len(self.versions) == len(self.logprobs) == len(self.token_ids)):
             raise ValueError("token_ids, logprobs and versions must have equal length")
+
+
+class EngineDead(RuntimeError):
+    """The engine can serve nothing more in this process (it failed to start, or its core
+    died): the worker stops (``ServiceContext.fail``) and its work goes to other replicas."""
 
 
 class InferenceEngine(ABC):

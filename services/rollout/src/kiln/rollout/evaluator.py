@@ -70,7 +70,7 @@ class EvalWorker(RolloutWorker):
             run_id=req.run_id, group_id=f"{req.eval_id}-{req.task_id}-{req.mode}", task_id=req.task_id,
             n_samples=req.n_samples, dispatch_version=req.weights.version, deadline=req.deadline,
         )  # fmt: skip
-        async with self.serving(req.weights):
+        async with self.engine_alive(), self.serving(req.weights):
             await asyncio.gather(*(self._episode(req, rr, task, i) for i in range(req.n_samples)))
 
     async def _episode(self, req: c.EvalRequest, rr: c.RolloutRequest, task, index: int) -> None:

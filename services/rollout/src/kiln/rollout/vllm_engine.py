@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 
 from kiln.rollout.config import VllmSettings
-from kiln.rollout.engine import Generation, InferenceEngine
+from kiln.rollout.engine import EngineDead, Generation, InferenceEngine
 
 log = logging.getLogger("kiln.rollout.vllm")
 
@@ -75,19 +75,27 @@ class VllmEngine(InferenceEngine):
     async def load(self, version: int, folder: Path) -> None:
         async with self._swap:
             if self.llm is None:
-                await asyncio.to_thread(self._start, folder)
+                try:
+                    await asyncio.to_thread(self._start, folder)
+                except Exception as e:
+                    raise EngineDead(f"vLLM did not start on {folder}: {type(e).__name__}: {e}") from e
                 await self.llm.collective_rpc("guard_cpu_generators")
                 await self.llm.update_weight_version(str(version))
                 self.version = version
                 return
-            await self.llm.pause_generation(mode="keep", clear_cache=True)
+            from vllm.v1.engine.exceptions import EngineDeadError
+
             try:
-                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
-                await self.llm.collective_rpc("repack_cpu_experts")
-                await self.llm.update_weight_version(str(version))
-                self.version = version
-            finally:
-                await self.llm.resume_generation()
+                await self.llm.pause_generation(mode="keep", clear_cache=True)
+                try:
+                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+                    await self.llm.collective_rpc("repack_cpu_experts")
+                    await self.llm.update_weight_version(str(version))
+                    self.version = version
+                finally:
+                    await self.llm.resume_generation()
+            except EngineDeadError as e:
+                raise EngineDead(f"vLLM engine core died loading version {version}: {e}") from e
 
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         if self.llm is None:
@@ -116,6 +124,8 @@ class VllmEngine(InferenceEngine):
         spans = None
         reason = "length"
         self._active.add(rid)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=rid):
                 c = out.outputs[0]
@@ -124,6 +134,8 @@ class VllmEngine(InferenceEngine):
                 if out.finished:
                     reason = c.finish_reason or "length"
                     spans = c.weight_versions
+        except EngineDeadError as e:
+            raise EngineDead(f"vLLM engine core died: {e}") from e
         finally:
             self._active.discard(rid)
         if len(logprobs) != len(tokens):

@@ -16,12 +16,16 @@ Invariants:
   sample starts again from scratch; until the worker serves the aborting version it
   takes no fresh work (resumed groups go first, on any worker);
 - a group with a sample older than ``max_staleness`` is abandoned (the controller drops
-  it as ``stale``) instead of continued.
+  it as ``stale``) instead of continued;
+- a worker whose engine died (``EngineDead``) takes no more work: it hands its messages
+  back and exits non-zero, rather than failing every request it takes until they are
+  all dead-lettered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -41,7 +45,7 @@ from kiln.shared.weights.receiver import FsSource, HttpSource, WeightReceiver
 
 from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
 from kiln.rollout.config import RolloutConfig
-from kiln.rollout.engine import InferenceEngine
+from kiln.rollout.engine import EngineDead, InferenceEngine
 
 log = logging.getLogger("kiln.rollout.worker")
 
@@ -100,7 +104,20 @@ class RolloutWorker:
             self._fallbacks.add(task)
             task.add_done_callback(self._fallbacks.discard)
             return
-        await self._load_files(msg)
+        try:
+            await self._load_files(msg)
+        except EngineDead as e:
+            self.ctx.fail(str(e))
+
+    @contextlib.asynccontextmanager
+    async def engine_alive(self):
+        """Around engine use: a dead engine stops this worker (``ServiceContext.fail``) and
+        hands the message being handled back for another replica at once."""
+        try:
+            yield
+        except EngineDead as e:
+            self.ctx.fail(str(e))
+            raise Retry(f"the engine of {self.ctx.instance} is dead: {e}", 0.0) from None
 
     async def _broadcast_fallback(self, msg: c.WeightsPublished) -> None:
         await asyncio.sleep(BROADCAST_GRACE_S)
@@ -184,12 +201,13 @@ class RolloutWorker:
         if req.suspensions:
             self.resumed += len(partials)
             self.ctx.metrics.resumed.add(len(partials))
-        results = await asyncio.gather(
-            *(self._sample(req, task, i, alg.temperature, partials.get(i)) for i in indices), return_exceptions=True
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        async with self.engine_alive():
+            results = await asyncio.gather(
+                *(self._sample(req, task, i, alg.temperature, partials.get(i)) for i in indices), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise next((e for e in errors if isinstance(e, EngineDead)), errors[0])
         stale = [r for r in results if isinstance(r, Stale)]
         held = [r for r in results if isinstance(r, c.PartialSample)]
         if stale:
