@@ -108,14 +108,16 @@ async def test_calls_with_bad_arguments_are_observations(envpool):
         tool_call("read_file", path="calc.py") + chat.EOS,
         "Nothing to fix." + chat.EOS,
     ])  # fmt: skip
-    t = await episode(engine, envpool, max_turns=4)
+    # Room for the three calls of the first turn (the default budget would cut the third).
+    t = await episode(engine, envpool, max_turns=4, max_new_tokens=512)
     assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "no_tool_call" and t.malformed_tool_calls == 3
-    errors = [json.loads(m.content)["error"] for m in t.messages if m.role == "tool"][:3]
+    tool_results = [m.content for m in t.messages if m.role == "tool"]
+    errors = [json.loads(r)["error"] for r in tool_results[:3]]
     assert "read_file: path: Field required" in errors[0] and "file: Extra inputs" in errors[0]
     assert "edit_file: old: Input should be a valid string" in errors[1]
     assert "start_line: Input should be a valid integer" in errors[2]
     # The worker went on: the next turn's valid call was executed.
-    assert [m.content for m in t.messages if m.role == "tool"][3] == TASK.files["calc.py"]
+    assert tool_results[3] == TASK.files["calc.py"]
     assert t.final_diff.changed == {}
 
 

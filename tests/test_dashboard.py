@@ -29,7 +29,8 @@ async def db(tmp_path):
             m = c.StepMetrics(run_id="r1", step=step, version=step + 1, groups=2, trajectories=8, mean_reward=0.1 * step,
                               pass_rate=0.25 * step, loss=0.01, infra_errors=0, dropped_groups=0, mean_staleness=0.5,
                               max_staleness=1, step_seconds=2.0, wait_seconds=1.0 + step, tokens=900,
-                              elapsed_seconds=4.0 * (step + 1), generated_tokens=300, off_policy_tokens=100)  # fmt: skip
+                              elapsed_seconds=4.0 * (step + 1), generated_tokens=300, off_policy_tokens=100,
+                              clip_frac=0.05 * step, kl=0.002, grad_norm=0.5, lr=1e-4)  # fmt: skip
             s.add(StepRecord(run_id="r1", step=step, version=m.version, trajectories=8, mean_reward=m.mean_reward,
                              pass_rate=m.pass_rate, loss=m.loss, mean_staleness=0.5, max_staleness=1, step_seconds=2.0,
                              wait_seconds=m.wait_seconds, elapsed_seconds=m.elapsed_seconds, metrics=m.model_dump(mode="json")))  # fmt: skip
@@ -63,6 +64,8 @@ def test_run_page_plots_every_curve_from_the_database(db):
         assert re.findall(r'data-x="([^"]+)" data-y="([^"]+)"', reward)[:3] == [("1", "0"), ("2", "0.1"), ("3", "0.2")]
         evals = re.search(r'<svg data-plot="eval".*?</svg>', page, re.S).group(0)
         assert 'data-series="greedy"' in evals and 'data-series="pass@4"' in evals and 'data-x="3" data-y="0.75"' in evals
+        update = re.search(r'<svg data-plot="update".*?</svg>', page, re.S).group(0)
+        assert 'data-series="clip fraction"' in update and 'data-x="3" data-y="0.1"' in update
         idle = re.search(r'<svg data-plot="idle".*?</svg>', page, re.S).group(0)
         assert 'data-x="1" data-y="0.333333"' in idle  # waited 1 s of 3
         stale = re.search(r'<svg data-plot="staleness".*?</svg>', page, re.S).group(0)

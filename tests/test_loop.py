@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
-from kiln.shared.db import Database, PolicyVersion, Run, TaskGroup, TrajectoryRecord
+from kiln.shared.db import Database, PolicyVersion, Run, StepRecord, TaskGroup, TrajectoryRecord
 
 from harness import InProcessPlatform, experiment, wait_for
 
@@ -52,6 +52,7 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
             groups = (await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id))).all()
             trajs = (await s.scalars(select(TrajectoryRecord).where(TrajectoryRecord.run_id == run_id))).all()
             versions = (await s.scalars(select(PolicyVersion).where(PolicyVersion.run_id == run_id))).all()
+            steps = (await s.scalars(select(StepRecord).where(StepRecord.run_id == run_id).order_by(StepRecord.step))).all()
 
         # --- every dispatched group ended exactly once: trained, or dropped with a reason
         assert groups, "no groups were dispatched"
@@ -77,6 +78,13 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
                     assert t.min_version == t.max_version == v - 1, (t.trajectory_id, t.min_version, t.max_version, v)
                 assert t.dispatch_version == v - 1
         assert any(t.num_generated for t in trajs), "no trajectory generated any token"
+
+        # --- each step's optimizer diagnostics are recorded (what one reads when RL does not learn)
+        assert [st.step for st in steps] == [0, 1, 2]
+        for st in steps:
+            m = st.metrics
+            # grad_norm > 0 even when every advantage is 0: the load-balancing loss trains the router
+            assert m["lr"] > 0 and m["ratio_mean"] > 0 and 0 <= m["clip_frac"] <= 1 and m["aux_loss"] > 0 and m["grad_norm"] > 0, m
 
         # --- one trace per trajectory, through rollout, env-pool, reward and the learner
         spans = exporter.get_finished_spans()

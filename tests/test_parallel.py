@@ -4,8 +4,10 @@ single-process step on the same batch.
 
 Tolerance: fp32; the parallel step only reorders float sums (per-rank partial sums,
 all-to-all then reduce-scatter), so the loss agrees to 1e-6 relative and every
-parameter to 1e-6 absolute after one AdamW step of lr 1e-3 (a wrong shard, a gradient
-counted twice or a missing expert would be off by ~1e-3)."""
+parameter to 5e-6 absolute after one AdamW step of lr 1e-3 (a wrong shard, a gradient
+counted twice or a missing expert would be off by ~1e-3). Not tighter: AdamW's first step
+moves a weight by lr * g / (|g| + eps), which for a gradient near eps turns the rounding
+of a reordered sum into up to ~1e-3 of lr (CI measured 1.17e-6 once)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_parallel_step_equals_single_process(tmp_path, reference, dp, ep):
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * ep}", f"--master-port={port}",
         str(Path(dist_step.__file__)), str(dp), str(ep), str(out),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
@@ -52,7 +54,7 @@ def test_parallel_step_equals_single_process(tmp_path, reference, dp, ep):
     assert got["stats"]["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
     assert got["state"].keys() == ref_state.keys()
     worst = max((got["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)
-    assert worst < 1e-6, worst
+    assert worst < 5e-6, worst
     moved = max((ref_state[k] - dist_step.model().state_dict()[k]).abs().max().item() for k in ref_state)
     assert moved > 1e-4  # the step did change the parameters
 
@@ -66,7 +68,7 @@ def test_mxfp8_dispatch_payloads(tmp_path, reference):
     out = tmp_path / "state.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            str(Path(dist_step.__file__)), "1", "2", str(out), "mxfp8"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
     ref_stats, ref_state = reference
@@ -99,4 +101,4 @@ def test_ray_launcher_runs_the_same_step(tmp_path, reference, monkeypatch):
     ref_stats, ref_state = reference
     assert losses == [pytest.approx(ref_stats["loss"], rel=1e-6)] * 2
     got = torch.load(out)
-    assert max((got["state"][k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-6
+    assert max((got["state"][k] - ref_state[k]).abs().max().item() for k in ref_state) < 5e-6

@@ -594,6 +594,19 @@ class StepMetrics(Message):
     """Trained (generated) tokens in the batch."""
     off_policy_tokens: int = 0
     """Of those, tokens sampled by an older policy than the one this step starts from."""
+    ratio_mean: float = 0.0
+    """Mean importance ratio pi_theta / pi_behaviour over the trained tokens (1 when the
+    learner's log-probabilities match the engine's)."""
+    clip_frac: float = 0.0
+    """Fraction of trained tokens whose ratio the PPO clip cut off."""
+    kl: float = 0.0
+    """Mean per-token KL estimate to the reference policy (0 without ``kl_coef``)."""
+    aux_loss: float = 0.0
+    """The MoE load-balancing loss of the step."""
+    grad_norm: float = 0.0
+    """Global gradient norm before clipping."""
+    lr: float = 0.0
+    """Learning rate this step applied (after warm-up and decay)."""
 
 
 class RolloutControl(Message):

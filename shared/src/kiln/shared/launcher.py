@@ -155,7 +155,7 @@ class LocalPlatform:
             rate = sum(s.trajectories for s in self.steps) / max(1e-9, time.monotonic() - t0)
             _say(
                 f"version {m.version}/{steps}: {m.trajectories} trajectories, reward {m.mean_reward:.3f}, "
-                f"pass {m.pass_rate:.0%}, loss {m.loss:+.4f}, staleness {m.mean_staleness:.1f} (max {m.max_staleness}), "
+                f"pass {m.pass_rate:.0%}, loss {m.loss:+.4f}, clip {m.clip_frac:.1%}, staleness {m.mean_staleness:.1f} (max {m.max_staleness}), "
                 f"dropped {m.dropped_groups}, infra {m.infra_errors}, step {m.step_seconds:.1f}s, "
                 f"learner waited {m.wait_seconds:.1f}s, {rate:.2f} traj/s"
             )

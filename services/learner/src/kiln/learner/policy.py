@@ -63,6 +63,8 @@ class StepStats:
     stale_tokens: int = 0
     kl: float = 0.0
     tis_capped_frac: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
 
 
 class _Schedule:
@@ -236,6 +238,7 @@ class Policy:
             self.model, self.optimizer, rows, global_tokens=global_tokens, loss=cfg, temperature=a.temperature,
             max_grad_norm=self.cfg.learner.max_grad_norm, prox_logp=prox, ref_logp=ref, micro_batch=self.cfg.learner.micro_batch,
         )  # fmt: skip
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step applied
         self.scheduler.step()
         return StepStats(
             loss=out["loss"],
@@ -247,6 +250,8 @@ class Policy:
             stale_tokens=int(t["stale"]),
             kl=out["kl"],
             tis_capped_frac=out["tis_capped_frac"],
+            grad_norm=out["grad_norm"],
+            lr=lr,
         )
 
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -241,6 +241,7 @@ class Trainer:
             elapsed_seconds=time.monotonic() - self.started,
             generated_tokens=len(generated),
             off_policy_tokens=sum(v < version - 1 for v in generated),
+            **{k: getattr(stats, k) for k in ("ratio_mean", "clip_frac", "kl", "aux_loss", "grad_norm", "lr")},
         )
         await self.controller.record_step(metrics)
         self._export(metrics, staleness)

@@ -111,7 +111,7 @@ async def trajectory_detail(db: Database, run_id: str, trajectory_id: str) -> di
 
 def run_plots(d: dict) -> dict[str, str]:
     steps = d["steps"]
-    v = lambda key: [(s["version"], s[key]) for s in steps]  # noqa: E731
+    v = lambda key: [(s["version"], s.get(key, 0.0)) for s in steps]  # noqa: E731 (older rows lack newer keys)
     rates, prev = [], 0.0
     for s in steps:
         dt = s["elapsed_seconds"] - prev
@@ -130,6 +130,8 @@ def run_plots(d: dict) -> dict[str, str]:
         "eval": line_chart("eval", "Held-out pass rate per version",
                            [Series("greedy", greedy), *(Series(f"pass@{k}", p) for k, p in sorted(pass_k.items()))],
                            xlabel="version", ylim=(0.0, 1.0)),
+        "update": line_chart("update", "Policy update: PPO clip fraction and KL to the reference",
+                             [Series("clip fraction", v("clip_frac")), Series("KL", v("kl"))], xlabel="version"),
         "throughput": line_chart("throughput", "Trajectories trained per second", [Series("traj/s", rates)], xlabel="version"),
         "idle": line_chart("idle", "Learner idle fraction (waiting for a batch)", [Series("idle", idle)], xlabel="version", ylim=(0.0, 1.0)),
         "staleness": histogram("staleness", "Staleness of trained trajectories (versions)", d["staleness"], xlabel="versions behind"),
