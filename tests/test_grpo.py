@@ -100,9 +100,10 @@ def test_truncated_importance_sampling_by_hand():
 
 
 def test_kl_estimators_by_hand():
-    # ref 0.5, new 0.25: d = log ref - log new = log 2; k1 = -d = -log 2; k3 = e^d - d - 1 = 1 - log 2
+    # ref 0.5, new 0.25: d = log ref - log new = log 2; k1 = -d = -log 2; k2 = d^2 / 2;
+    # k3 = e^d - d - 1 = 1 - log 2
     new, ref, zero = lp(0.25), lp(0.5), torch.zeros(1, 1)
-    for est, want in (("k1", -math.log(2)), ("k3", 1 - math.log(2))):
+    for est, want in (("k1", -math.log(2)), ("k2", math.log(2) ** 2 / 2), ("k3", 1 - math.log(2))):
         loss, stats = policy_loss(new, new, zero, torch.ones(1, 1), LossConfig(kl_coef=0.1, kl_estimator=est), ref_logp=ref)
         assert math.isclose(stats["kl"], want, rel_tol=1e-6) and math.isclose(loss.item(), 0.1 * want, rel_tol=1e-6)
 
@@ -183,14 +184,27 @@ def test_decoupled_ppo_without_cap():
 
 def test_kl_gradient_by_hand_and_only_logp_is_differentiated():
     # k3 = e^d - d - 1 with d = ref - logp: dk3/dlogp = 1 - e^d; ref 0.5, new 0.25: 1 - 2 = -1.
-    # k1 = logp - ref: dk1/dlogp = 1. Behaviour, prox and ref get no gradient.
-    for est, want in (("k1", 1.0), ("k3", -1.0)):
+    # k1 = logp - ref: dk1/dlogp = 1; k2 = (logp - ref)^2 / 2: dk2/dlogp = logp - ref = -log 2.
+    # Behaviour, prox and ref get no gradient.
+    for est, want in (("k1", 1.0), ("k2", -math.log(2)), ("k3", -1.0)):
         new, ref, beh = lp(0.25).requires_grad_(), lp(0.5).requires_grad_(), lp(0.25).requires_grad_()
         cfg = LossConfig(loss="decoupled_ppo", kl_coef=1.0, kl_estimator=est)
         loss, _ = policy_loss(new, beh, torch.zeros(1, 1), torch.ones(1, 1), cfg, prox_logp=beh, ref_logp=ref)
         loss.backward()
         assert new.grad.item() == pytest.approx(want), est
         assert ref.grad is None and beh.grad is None
+
+
+def test_k2_gradient_stays_bounded_where_k3_explodes():
+    # A sampled token the reference finds 500x likelier (the tiny preset's KL-526 step):
+    # k3's gradient is 1 - 500, k2's only -log 500.
+    grads = {}
+    for est in ("k2", "k3"):
+        new = lp(0.001).requires_grad_()
+        loss, _ = policy_loss(new, new.detach(), torch.zeros(1, 1), torch.ones(1, 1), LossConfig(kl_coef=1.0, kl_estimator=est), ref_logp=lp(0.5))
+        loss.backward()
+        grads[est] = new.grad.item()
+    assert grads["k3"] == pytest.approx(1 - 500) and grads["k2"] == pytest.approx(-math.log(500))
 
 
 def test_untrained_positions_never_leak_nan():
@@ -224,7 +238,7 @@ def test_trained_token_mask_edges():
 
 
 def test_loss_config_is_validated():
-    for bad in (dict(loss="reinforce"), dict(kl_estimator="k2"), dict(clip_eps=0.0), dict(clip_eps_high=-0.1), dict(kl_coef=-1.0)):
+    for bad in (dict(loss="reinforce"), dict(kl_estimator="k4"), dict(clip_eps=0.0), dict(clip_eps_high=-0.1), dict(kl_coef=-1.0)):
         with pytest.raises(ValueError):
             LossConfig(**bad)
 

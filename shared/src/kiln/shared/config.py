@@ -199,8 +199,10 @@ class AlgorithmSettings(Section):
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the per-token KL penalty to the reference (the initial) policy; 0 = off
     (no reference forward pass)."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator: ``k1`` = logp - ref, ``k3`` = exp(ref - logp) - (ref - logp) - 1."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: ``k1`` = logp - ref, ``k2`` = (logp - ref)^2 / 2 (gradient linear in
+    the log-ratio), ``k3`` = exp(ref - logp) - (ref - logp) - 1 (gradient grows
+    exponentially where the reference is far likelier than the policy)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
