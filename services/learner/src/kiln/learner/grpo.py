@@ -30,8 +30,8 @@ but, used as a loss, its gradient is only the score function; ``k2`` and ``k3`` 
 non-negative and their gradients pull toward the reference; ``k3``'s grows like
 ``exp(ref - logp)``, so one sampled token the reference finds far likelier than the
 policy can dominate a step (measured: a step of the tiny preset with KL 526 and gradient
-norm 1453), ``k2``'s only linearly in the log-ratio). Every term is a mean over all trained tokens of the batch (token-level, so
-long trajectories are not down-weighted).
+norm 1453), ``k2``'s only linearly in the log-ratio). Every term is a mean over all
+trained tokens of the batch (token-level, so long trajectories are not down-weighted).
 
 Invariants:
 
@@ -55,6 +55,12 @@ from dataclasses import dataclass
 import torch
 
 LOSSES = ("ppo_clip", "decoupled_ppo", "tis")
+# Per-token KL estimators of d = ref - logp.
+KL_ESTIMATORS = {
+    "k1": lambda d: -d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: torch.exp(d) - d - 1,
+}
 
 
 def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-6) -> list[float]:
@@ -100,8 +106,8 @@ class LossConfig:
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss {self.loss!r}; expected one of {LOSSES}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected k1, k2 or k3")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected one of {tuple(KL_ESTIMATORS)}")
         if not 0 < self.clip_eps < 1 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
             raise ValueError(f"clip ranges must be in (0, 1) (low) and > 0 (high): {self.clip_eps}, {self.clip_eps_high}")
         if self.kl_coef < 0:
@@ -168,7 +174,7 @@ def policy_loss(
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
         d = torch.where(keep, ref_logp.detach(), logp.detach()) - logp
-        kl = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: torch.exp(d) - d - 1}[cfg.kl_estimator]()
+        kl = KL_ESTIMATORS[cfg.kl_estimator](d)
         kl_mean = torch.where(keep, kl, 0.0).sum() / n
         loss = loss + cfg.kl_coef * kl_mean
         stats["kl"] = float(kl_mean.detach())
