@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nats import errors as nats_errors
+
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
 from kiln.shared.config import NatsSettings, load_config, render_toml
@@ -95,15 +97,17 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
     ]  # fmt: skip
     bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
     pool = EnvPoolClient(bus)
-    for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]:
-        for _ in range(300):
-            try:
-                await pool.stats(name)
-                break
-            except RemoteError:
-                await asyncio.sleep(0.1)
     rows = []
-    try:
+    try:  # from here on the nodes are stopped whatever happens (a failed wait included)
+        for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]:
+            for attempt in range(300):
+                try:
+                    await pool.stats(name)
+                    break
+                except (RemoteError, asyncio.TimeoutError, nats_errors.TimeoutError, nats_errors.NoRespondersError):
+                    if attempt == 299:
+                        raise
+                    await asyncio.sleep(0.1)
         # (a) bare subprocess
         a = []
         for _ in range(n):

@@ -1,6 +1,6 @@
 """Rollout scheduling: ``sync`` vs ``async`` vs ``april`` at equal compute and batch size.
 
-    .venv/bin/python bench/rollout.py [--steps 8] [--groups 4] [--samples 4] [--sigma 1.0]
+    .venv/bin/python bench/rollout.py [--steps 8] [--groups 4] [--samples 4] [--sigma 1.0] [--set KEY=VALUE ...]
 
 Each mode runs the whole platform as ``kiln run`` does (every service a process,
 embedded NATS and database, the learner training the ``configs/smoke.toml`` policy, reward
@@ -15,6 +15,11 @@ Reported per mode, over steps 2..N (step 1 includes start-up): trajectories trai
 second, learner idle fraction (time waiting for a full batch / wall time), mean and max
 staleness of trained trajectories, and the fraction of trained tokens sampled by an
 older policy than the one each step starts from. Prints a markdown table.
+
+``--set`` adds settings to every mode (e.g. ``model.num_hidden_layers=6`` for a learner
+whose step takes longer than rollout needs for a batch on these cores: the learner's
+idle fraction measures how the schedule overlaps generation with training only when
+rollout can keep up at all).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def overrides(args, run_root: Path, mode: str) -> list[str]:
         "local.replicas={rollout = 1, reward = 1}",
         "telemetry.log_format='text'",
         *MODES[mode],
+        *args.set,
     ]
 
 
@@ -100,6 +106,7 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.02)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--modes", default="sync,async,april")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every mode (repeatable)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-bench-rollout-") as tmp:
@@ -110,7 +117,7 @@ def main() -> None:
     base = next((r["traj_per_s"] for r in rows if r["mode"] == "sync"), None)
     print(f"\nsim engine: lognormal lengths median {args.median:g} tokens, sigma {args.sigma:g}; batch {args.groups} groups x "
           f"{args.samples} samples; decoder {args.groups * args.samples} sequences x {args.step_s * 1000:g} ms/token; "
-          f"{args.steps} steps (2..{args.steps} measured)\n")
+          f"{args.steps} steps (2..{args.steps} measured){'; ' + ', '.join(args.set) if args.set else ''}\n")
     print("| mode | trajectories/s | vs sync | learner idle | mean staleness | max staleness | off-policy tokens | dropped groups | learner step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -230,3 +230,19 @@ async def test_suspended_mid_turn_resumes_with_each_token_tagged(envpool):
     engine.version = 9
     stale = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
     assert isinstance(stale, Stale) and "2 versions old" in stale.detail
+
+
+async def test_sandbox_lease_runs_to_the_group_deadline_plus_the_scoring_buffer(envpool):
+    import httpx
+
+    engine = ScriptedEngine(["Done." + chat.EOS])
+    deadline = time.time() + 500
+    spec = EpisodeSpec(request=request(deadline=deadline), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
+    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(sandbox_score_buffer_s=120), trace.get_tracer("t"))
+    stats = await envpool.stats(t.sandbox.node_id)
+    async with httpx.AsyncClient(base_url=stats.http_url) as h:
+        listing = (await h.get("/sandboxes")).json()["sandboxes"]
+    lease = next(s for s in listing if s["sandbox_id"] == t.sandbox.sandbox_id)
+    # Leased until reward has had its buffer after the deadline: not a fixed TTL.
+    assert lease["state"] == "leased" and abs(lease["expires_at"] - (deadline + 120)) < 5, (lease, deadline)
+    await envpool.destroy(t.sandbox)

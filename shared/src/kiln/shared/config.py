@@ -269,8 +269,10 @@ class WeightsSettings(Section):
     """Members of the broadcast group: the weights service (rank 0) + every engine."""
     broadcast_rank: int = 0
     """This member's rank (each rollout engine its own, 1..world_size-1)."""
-    broadcast_backend: Literal["nccl", "gloo"] = "nccl"
-    """``nccl`` for GPU engines, ``gloo`` on CPUs."""
+    broadcast_backend: Literal["nccl", "gloo", "vllm-nccl"] = "nccl"
+    """``nccl`` for GPU engines, ``gloo`` on CPUs (both torch.distributed, into
+    ``rollout.engine = "torch"``); ``vllm-nccl``: vLLM's weight-transfer engine, straight
+    into ``rollout.engine = "vllm"`` on GPUs (``init_method`` must be ``tcp://host:port``)."""
     cache_dir: str = ""
     """Where a receiver rebuilds and keeps versions it cannot read in place (delta or http);
     empty = ``<run.dir>/weights-cache/<instance>``."""

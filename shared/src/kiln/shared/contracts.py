@@ -562,6 +562,10 @@ class WeightsPublished(Message):
     manifest_sha256: str
     url: str = ""
     """Base URL of the weights service's HTTP API (for receivers that do not share the disk)."""
+    broadcast: bool = False
+    """The weights service sends this version over its broadcast group right after this
+    event (its group had formed): ``vllm-nccl`` engines post their receive for it; the
+    others fetch its files."""
 
 
 class GroupDropped(Message):

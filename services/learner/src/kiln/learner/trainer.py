@@ -119,7 +119,9 @@ class Trainer:
         if len(group) < self.controller.inflight[t.group_id].n_samples or t.group_id in self.ready:
             return
         await self._group_complete(t.group_id)
-        if len(self.ready) >= self.cfg.algorithm.groups_per_step:
+        # Over-provisioned groups still finish after the last step: they wait, and the
+        # run's end drops them (``run_finished``), rather than train a version past ``steps``.
+        if len(self.ready) >= self.cfg.algorithm.groups_per_step and self.step < self.cfg.algorithm.steps:
             await self.controller.signal_abort(self.step + 1)
             await self._train()
 

@@ -135,7 +135,10 @@ async def run_episode(
         seq.context(enc(chat.render_system(system, tool_schemas(spec.tools)) + chat.render_user(task.problem_statement) + chat.assistant_prefix()))
         malformed = turns = 0
         sandbox = None
-        creating = asyncio.create_task(envpool.create(task.id, run_id=req.run_id, ttl_s=settings.sandbox_ttl_s))
+        # Leased to the group's deadline (after which the controller drops the group) plus the
+        # scoring time reward needs; the floor keeps a request dispatched late from a zero lease.
+        ttl = max(req.deadline - time.time(), 1.0) + settings.sandbox_score_buffer_s
+        creating = asyncio.create_task(envpool.create(task.id, run_id=req.run_id, ttl_s=ttl))
     else:
         creating = None
         seq.ids, seq.logprobs = list(resume.token_ids), list(resume.logprobs)

@@ -68,8 +68,10 @@ class RolloutSettings(Section):
     """Budget of the whole episode (prompt, generations and observations)."""
     concurrent_groups: int = 1
     """Groups one worker runs at once (samples of a group always run concurrently)."""
-    sandbox_ttl_s: float = 900.0
-    """Lease of each sample's sandbox: the episode plus time for reward to score it."""
+    sandbox_score_buffer_s: float = Field(default=300.0, ge=0)
+    """Lease of each sample's sandbox beyond its group's deadline: the time reward has to
+    score the trajectory in it. The lease is ``deadline - now + this`` (a suspended sample
+    keeps its sandbox until then; a crashed worker's sandboxes are reaped then)."""
     tool_timeout_s: float = 60.0
     """Timeout of one turn's batch of tool calls."""
     version_wait_s: float = 30.0

@@ -28,11 +28,7 @@ async def serve(ctx: ServiceContext) -> None:
     cfg: RolloutConfig = ctx.config  # type: ignore[assignment]
     if not cfg.run.id:
         raise ValueError("run.id is empty: rollout serves one run (set KILN_RUN__ID or start with `kiln run`)")
-    if cfg.weights.fetch == "broadcast" and cfg.rollout.engine != "torch":
-        raise ValueError(
-            f"weights.fetch = 'broadcast' delivers tensors, which only rollout.engine = 'torch' takes;"
-            f" engine {cfg.rollout.engine!r} reads versions from files (weights.fetch = 'fs' or 'http')"
-        )
+    check_broadcast(cfg)
     engine = make_engine(cfg, ctx.instance)
     if cfg.rollout.role == "eval":
         evaluator = EvalWorker(ctx, engine, load_suite(cfg.tasks.suite))
@@ -49,7 +45,7 @@ async def serve(ctx: ServiceContext) -> None:
     try:
         await ctx.bus.watch(c.ROLLOUT_CONTROL, c.RolloutControl, worker.on_control, deliver="new")
         await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
-        if cfg.weights.fetch == "broadcast":
+        if cfg.weights.fetch == "broadcast" and cfg.weights.broadcast_backend != "vllm-nccl":
             start_broadcast_receiver(worker, asyncio.get_running_loop())
         await ctx.bus.consume(
             c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups,
@@ -59,12 +55,28 @@ async def serve(ctx: ServiceContext) -> None:
         await engine.close()
 
 
+def check_broadcast(cfg: RolloutConfig) -> None:
+    """The broadcast paths each feed one kind of engine: torch.distributed tensors the
+    in-process ``torch`` engine, vLLM's weight transfer a ``vllm`` engine."""
+    w = cfg.weights
+    if w.fetch != "broadcast":
+        return
+    wanted = "vllm" if w.broadcast_backend == "vllm-nccl" else "torch"
+    if cfg.rollout.engine != wanted:
+        raise ValueError(
+            f"weights.fetch = 'broadcast' over {w.broadcast_backend!r} feeds rollout.engine = {wanted!r}, not"
+            f" {cfg.rollout.engine!r}: use broadcast_backend = {'vllm-nccl' if cfg.rollout.engine == 'vllm' else 'nccl'!r},"
+            " or read versions from files (weights.fetch = 'fs' or 'http')"
+        )
+
+
 def make_engine(cfg: RolloutConfig, instance: str) -> InferenceEngine:
     r = cfg.rollout
     if r.engine == "vllm":
         from kiln.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(r.vllm, instance)
+        w = cfg.weights
+        return VllmEngine(r.vllm, instance, transfer=w.fetch == "broadcast" and w.broadcast_backend == "vllm-nccl")
     if r.engine == "sim":
         from kiln.rollout.sim import SimEngine
 

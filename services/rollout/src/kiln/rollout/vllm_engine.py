@@ -10,6 +10,10 @@
   label sampled which output tokens (``weight_versions`` spans), so every token's
   version is exact even when one request straddles a reload.
 - ``abort`` aborts every request in flight; each returns the tokens it has.
+- On GPU fleets (``weights.broadcast_backend = "vllm-nccl"``) versions after the first
+  arrive over NCCL instead of files: ``join_transfer`` makes the engine's worker a rank of
+  the weights service's group (vLLM's weight-transfer engine), ``receive_transfer`` loads
+  one version between the same pause and resume (``kiln.shared.weights.vllm_transfer``).
 
 The first ``load`` starts the engine on that folder (config, tokenizer, weights); later
 loads reload weights only (same architecture).
@@ -44,8 +48,10 @@ log = logging.getLogger("kiln.rollout.vllm")
 
 
 class VllmEngine(InferenceEngine):
-    def __init__(self, settings: VllmSettings, instance: str = "rollout"):
+    def __init__(self, settings: VllmSettings, instance: str = "rollout", transfer: bool = False):
         self.s = settings
+        self.transfer = transfer
+        """Start vLLM with its NCCL weight-transfer engine (``join_transfer``)."""
         self.version = -1
         self.llm = None
         self._ids = itertools.count()
@@ -69,6 +75,7 @@ class VllmEngine(InferenceEngine):
             seed=0,
             enable_prefix_caching=self.s.prefix_caching,
             worker_extension_cls="kiln.rollout.vllm_engine.KilnWorkerExtension",
+            weight_transfer_config={"backend": "nccl"} if self.transfer else None,
         )
         self.llm = AsyncLLM.from_engine_args(args)
 
@@ -96,6 +103,33 @@ class VllmEngine(InferenceEngine):
                     await self.llm.resume_generation()
             except EngineDeadError as e:
                 raise EngineDead(f"vLLM engine core died loading version {version}: {e}") from e
+
+    async def join_transfer(self, init_info: dict) -> None:
+        """Join the weights service's NCCL group (blocks until every member has joined)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.llm is None or not self.transfer:
+            raise RuntimeError("join_transfer needs an engine started with transfer=True")
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def receive_transfer(self, version: int, update_info: dict) -> None:
+        """Receive ``version`` from the group (the sender broadcasts it concurrently) and
+        serve it; requests in flight are paused, not dropped, and continue under it."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        async with self._swap:
+            try:
+                await self.llm.pause_generation(mode="keep", clear_cache=True)
+                try:
+                    await self.llm.start_weight_update()
+                    await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                    await self.llm.finish_weight_update(str(version))
+                    self.version = version
+                finally:
+                    await self.llm.resume_generation()
+            except EngineDeadError as e:
+                raise EngineDead(f"vLLM engine core died receiving version {version}: {e}") from e
 
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         if self.llm is None:

@@ -65,6 +65,8 @@ class RolloutWorker:
         self._loading = asyncio.Lock()
         self._receivers: dict[str, WeightReceiver] = {}
         self._fallbacks: set[asyncio.Task] = set()
+        self._joined: asyncio.Task | None = None
+        """vllm-nccl: joining the weights service's NCCL group (started after the first version)."""
         self.published = 0
         self.suspend = asyncio.Event()
         self.resume_at = -1
@@ -97,7 +99,13 @@ class RolloutWorker:
     async def on_weights(self, msg: c.WeightsPublished) -> None:
         if msg.run_id != self.cfg.run.id or msg.version <= self.engine.version:
             return
-        if self.cfg.weights.fetch == "broadcast" and self.tokenizer is not None:
+        if self._joined is not None and msg.broadcast:
+            try:
+                await self._receive_transfer(msg)
+            except EngineDead as e:
+                self.ctx.fail(str(e))
+            return
+        if self.cfg.weights.fetch == "broadcast" and self.tokenizer is not None and self._joined is None and msg.broadcast:
             # After the first version (config, tokenizer) tensors arrive by broadcast; the
             # files are the fallback if they have not come in time.
             task = asyncio.create_task(self._broadcast_fallback(msg))
@@ -119,6 +127,29 @@ class RolloutWorker:
             self.ctx.fail(str(e))
             raise Retry(f"the engine of {self.ctx.instance} is dead: {e}", 0.0) from None
 
+    def _join_transfer(self) -> None:
+        """vllm-nccl: after the first version (the engine runs), join the sender's group in
+        the background; the sender marks the versions it broadcasts only once every
+        engine has joined, and until then versions come as files."""
+        from kiln.shared.weights.vllm_transfer import worker_init_info
+
+        w = self.cfg.weights
+        info = worker_init_info(w.broadcast_init_method, w.broadcast_rank, w.broadcast_world_size)
+        self._joined = asyncio.create_task(self.engine.join_transfer(info))
+
+    async def _receive_transfer(self, msg: c.WeightsPublished) -> None:
+        from kiln.shared.weights.vllm_transfer import update_info
+
+        await self._joined  # the sender's group formed with us in it: our join is returning
+        async with self._loading:
+            with self.ctx.tracer.start_as_current_span("rollout.load_weights", attributes={"policy.version": msg.version}):
+                await self.engine.receive_transfer(msg.version, update_info(msg.manifest))
+            self._version_served()
+            self.ctx.health_detail.update(version=msg.version, weights_via="vllm-nccl")
+            log.info("serving policy version %d (vllm-nccl)", msg.version)
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
     async def _broadcast_fallback(self, msg: c.WeightsPublished) -> None:
         await asyncio.sleep(BROADCAST_GRACE_S)
         if msg.version > self.engine.version:
@@ -138,6 +169,8 @@ class RolloutWorker:
                 await self.engine.load(msg.version, folder)
                 if self.tokenizer is None:
                     self.tokenizer = load_tokenizer(folder)
+                    if self.cfg.weights.fetch == "broadcast" and self.cfg.weights.broadcast_backend == "vllm-nccl":
+                        self._join_transfer()
             self._version_served()
             self.ctx.health_detail.update(version=msg.version, weights_via="files")
             log.info("serving policy version %d", msg.version)

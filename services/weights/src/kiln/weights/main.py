@@ -73,17 +73,20 @@ async def serve(ctx: ServiceContext) -> None:
                         )
                     )
             await retain(ck.run_id)
+        # Decided before the event: receivers of vllm-nccl post a receive exactly for the
+        # versions the event marks, so the send below must follow the mark.
+        broadcast = broadcaster is not None and broadcaster.will_send()
         with ctx.tracer.start_as_current_span("weights.publish", attributes={"policy.version": ck.version}):
             await ctx.bus.publish(
                 c.weights_published_subject(ck.run_id),
                 c.WeightsPublished(
                     run_id=ck.run_id, version=ck.version, step=ck.step, path=str(stored.path), manifest=m,
-                    manifest_sha256=stored.digest, url=public_url,
+                    manifest_sha256=stored.digest, url=public_url, broadcast=broadcast,
                 ),
                 msg_id=f"{ck.run_id}-v{ck.version}",
             )  # fmt: skip
-        if broadcaster is not None:
-            await broadcaster.send(ck.run_id, ck.version, src)
+        if broadcast:
+            await broadcaster.send(ck.run_id, ck.version, src, m)
         ctx.health_detail["latest_version"] = ck.version
         ctx.metrics.published.add(1, {"storage": m.storage})
         ctx.metrics.version.set(ck.version)
@@ -117,25 +120,47 @@ async def serve(ctx: ServiceContext) -> None:
 
 
 class Broadcaster:
-    """Rank 0 of the engines' broadcast group (needs torch: ``kiln-weights[broadcast]``).
-    The group forms in the background, so the service serves before every engine joined;
-    versions published before that reach engines through their first file fetch."""
+    """Rank 0 of the engines' broadcast group (needs torch: ``kiln-weights[broadcast]``):
+    torch.distributed (``nccl``/``gloo``) or vLLM's weight transfer (``vllm-nccl``). The
+    group forms in the background, so the service serves before every engine joined;
+    versions published before that reach engines through their files."""
 
     def __init__(self, w):
-        from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
+        self.world_size = w.broadcast_world_size
+        self.vllm = w.broadcast_backend == "vllm-nccl"
+        if self.vllm:
+            from kiln.shared.weights.vllm_transfer import VllmTransferSender
 
-        settings = BroadcastSettings(w.broadcast_init_method, w.broadcast_world_size, 0, w.broadcast_backend)
-        self.group = asyncio.ensure_future(asyncio.to_thread(BroadcastGroup, settings))
+            self.group = asyncio.ensure_future(asyncio.to_thread(VllmTransferSender, w.broadcast_init_method, w.broadcast_world_size))
+        else:
+            from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
+
+            settings = BroadcastSettings(w.broadcast_init_method, w.broadcast_world_size, 0, w.broadcast_backend)
+            self.group = asyncio.ensure_future(asyncio.to_thread(BroadcastGroup, settings))
         self.lock = asyncio.Lock()
 
-    async def send(self, run_id: str, version: int, folder: Path) -> None:
+    def will_send(self) -> bool:
+        """Whether the next version goes out over the group. torch.distributed receivers
+        read a header per version, so every version is sent (once the group has formed);
+        vLLM's receivers post a receive per version, so only once every engine has joined
+        (a group that failed to form never sends)."""
+        if not self.vllm:
+            return True
+        return self.group.done() and self.group.exception() is None
+
+    async def send(self, run_id: str, version: int, folder: Path, manifest: c.WeightsManifest) -> None:
         from safetensors.torch import load_file
 
         group = await self.group
         async with self.lock:
-            tensors = await asyncio.to_thread(load_file, str(folder / "model.safetensors"))
-            sent = await asyncio.to_thread(group.send, run_id, version, tensors)
-        log.info("broadcast version %d to %d engines (%d bytes)", version, group.s.world_size - 1, sent)
+            tensors: dict = {}
+            for f in sorted({t.file for t in manifest.tensors.values()}):
+                tensors.update(await asyncio.to_thread(load_file, str(folder / f)))
+            if self.vllm:
+                sent = await asyncio.to_thread(group.send, manifest, tensors)
+            else:
+                sent = await asyncio.to_thread(group.send, run_id, version, tensors)
+        log.info("broadcast version %d to %d engines (%d bytes)", version, self.world_size - 1, sent)
 
 
 def main() -> None:

@@ -1,0 +1,99 @@
+"""Policy versions straight into vLLM engines over NCCL (``weights.broadcast_backend =
+"vllm-nccl"``), through vLLM's weight-transfer engine API.
+
+The weights service is rank 0 of an NCCL group whose other ranks are the engines' vLLM
+workers (joined with ``AsyncLLM.init_weight_transfer_engine``); a version goes out as
+vLLM's packed broadcast, and each engine loads it with ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update`` between ``pause_generation(mode="keep")``
+and ``resume_generation``: no disk, no host copy, in-flight requests continue under the
+new weights.
+
+Invariants:
+
+- sender and receivers agree on the tensors and their order because both derive them
+  from the version's manifest (``update_info``): sorted names, the stored dtype and
+  shape; a receiver never guesses;
+- the weights service broadcasts a version only when its group had formed before it
+  published that version, and says so in ``WeightsPublished.broadcast``: an engine posts
+  its receive exactly for those versions and fetches files for the others (so an engine
+  and the sender can never wait on each other's different collectives);
+- the first version always comes as files (it starts the engine with config and
+  tokenizer); the engine joins the group after that.
+
+This path needs CUDA on both sides (vLLM's ``PyNcclCommunicator``); it is exercised by
+``tests/test_vllm_transfer.py`` where two GPUs are lent and skipped otherwise. The
+torch.distributed path (``broadcast.py``) is the one tested on CPUs.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from kiln.shared.contracts import WeightsManifest
+
+# safetensors dtype tags -> torch attribute names (what vLLM's update info carries)
+_TORCH_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+
+def rendezvous(init_method: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port): vLLM's stateless group rendezvous."""
+    parts = urlsplit(init_method)
+    if parts.scheme != "tcp" or not parts.hostname or not parts.port:
+        raise ValueError(f"weights.broadcast_init_method must be tcp://host:port for vllm-nccl, got {init_method!r}")
+    return parts.hostname, parts.port
+
+
+def update_info(manifest: WeightsManifest) -> dict:
+    """The per-version payload of ``AsyncLLM.update_weights`` (vLLM's NCCL update info),
+    in the order the sender broadcasts: tensor names sorted."""
+    names = sorted(manifest.tensors)
+    unknown = sorted({manifest.tensors[n].dtype for n in names} - set(_TORCH_DTYPES))
+    if unknown:
+        raise ValueError(f"version {manifest.version} has dtypes vLLM's transfer cannot carry: {unknown}")
+    return {
+        "names": names,
+        "dtype_names": [_TORCH_DTYPES[manifest.tensors[n].dtype] for n in names],
+        "shapes": [list(manifest.tensors[n].shape) for n in names],
+    }
+
+
+def worker_init_info(init_method: str, rank: int, world_size: int) -> dict:
+    """The payload of ``AsyncLLM.init_weight_transfer_engine`` for the engine at ``rank``
+    (its vLLM worker ranks start there; one worker per engine at tensor parallel 1)."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    host, port = rendezvous(init_method)
+    return worker_init_payload(
+        NCCLWeightTransferInitInfo(master_address=host, master_port=port, rank_offset=rank, world_size=world_size, packed=True)
+    )
+
+
+class VllmTransferSender:
+    """Rank 0 of the group (the weights service, on a GPU). Construction blocks until
+    every engine has joined: run it in a thread."""
+
+    def __init__(self, init_method: str, world_size: int):
+        import torch
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        host, port = rendezvous(init_method)
+        self.world_size = world_size
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.group = stateless_init_process_group(host, port, 0, world_size, self.device)
+
+    def send(self, manifest: WeightsManifest, tensors: dict) -> int:
+        """Broadcast one version's tensors (in ``update_info`` order); returns the bytes sent."""
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        names = update_info(manifest)["names"]
+        if set(names) != set(tensors):
+            raise ValueError(f"version {manifest.version}: the files' tensors do not match its manifest")
+        sent = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+        packed_nccl_broadcast_producer(
+            iterator=((n, tensors[n].to(self.device, non_blocking=True)) for n in names),
+            group=self.group, src=0, post_iter_func=lambda item: item[1],
+        )  # fmt: skip
+        return sent
