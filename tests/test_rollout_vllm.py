@@ -65,18 +65,26 @@ def _teacher_forced(model, ids, temperature):
     return lp[0].tolist()
 
 
+# Slow tier: whether an abort finds a sample mid-generation depends on a random policy's
+# generation lengths against the scoring of the first groups; on its own it did (6 runs),
+# in the full suite twice not (no suspension at all). The engine-level check of the same
+# property, deterministic, is in the default tier: test_engines
+# (test_vllm_engine_logprobs_abort_and_in_flight_reload).
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 async def test_april_on_vllm_resumes_partials_with_each_tokens_version_and_logprob(nats_server, bus, pg_url, run_dir):
-    # Two groups decode at a time out of four dispatched: when the first two fill the
-    # batch, the next two are mid-generation (a random policy rarely stops before
-    # max_new_tokens, and 1000 tokens take seconds here where a learner step of this
-    # model takes a fraction of one; at 160 tokens every group had finished before the
-    # abort), so the abort suspends them and they resume under the next version.
+    # Four groups in flight, all decoding, for a batch of two: when the first two fill the
+    # batch the other two are most likely mid-generation (a random policy's lengths vary
+    # widely up to max_new_tokens, and 1000 tokens take seconds here where a learner step
+    # of this model takes a fraction of one; at 160 tokens every group had finished
+    # before the abort), so the abort suspends them and they resume under the next
+    # version. Five steps, so that one run without a suspension mid-generation (seen once
+    # in the full suite with three steps and two groups decoding) cannot fail the test.
     temperature = 0.8
     exp = experiment(
         run_dir, nats_server.url, pg_url,
         model={"hidden_size": 64, "head_dim": 32, "moe_intermediate_size": 32},
-        algorithm={"mode": "april", "steps": 3, "groups_per_step": 2, "samples_per_group": 2, "overprovision": 2.0,
+        algorithm={"mode": "april", "steps": 5, "groups_per_step": 2, "samples_per_group": 2, "overprovision": 2.0,
                    "max_staleness": 1, "temperature": temperature},
         rollout={"engine": "vllm", "concurrent_groups": 2, "max_turns": 1, "max_new_tokens": 1000,
                  "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16}},
@@ -103,14 +111,14 @@ async def test_april_on_vllm_resumes_partials_with_each_tokens_version_and_logpr
         await platform.stop_all()
         await db.close()
     assert run.status == "finished", run.detail
-    assert health.detail["suspended"] > 0 and health.detail["resumed"] > 0, health.detail
+    assert health.detail["suspended"] > 0 and health.detail["resumed"] > 0, str(health.detail)
     resumed = [t for t in finished if t.status == c.TrajectoryStatus.FINISHED and len(set(t.generated_versions())) > 1]
     assert resumed, [(t.trajectory_id, sorted(set(t.generated_versions()))) for t in finished]
 
     store = run_dir / "weights" / run_id
     # The over-provisioned groups that finish after the last step are dropped, not trained
     # into a version past ``steps``.
-    assert sorted(p.name for p in store.glob("v*")) == [f"v{v:06d}" for v in range(4)]
+    assert sorted(p.name for p in store.glob("v*")) == [f"v{v:06d}" for v in range(6)]
     models: dict[int, object] = {}
     for t in resumed:
         gen = [i for i, m in enumerate(t.loss_mask) if m]

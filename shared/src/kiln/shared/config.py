@@ -212,6 +212,16 @@ class AlgorithmSettings(Section):
     group_deadline_s: float = 600.0
     """A group not fully scored this long after dispatch is dropped (reason ``deadline``)."""
 
+    @property
+    def april_overlaps(self) -> bool:
+        """``april`` generates the next batch while the learner trains only where the
+        staleness bound leaves room for it (``max_staleness`` >= 2): the groups that make
+        the next batch train one version old, the over-provisioned rest (suspended at the
+        next abort) two. Under a tighter bound rollout waits for each new version, since
+        overlapping would generate groups doomed to be dropped as stale (measured: a
+        ``tiny`` run at bound 1 dropped 101 groups)."""
+        return self.mode == "april" and self.max_staleness >= 2
+
 
 class EvalSettings(Section):
     """Held-out evaluation of policy versions (``kiln eval``, and during a run)."""

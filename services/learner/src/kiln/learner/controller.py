@@ -13,9 +13,10 @@ Invariants:
   generated and trained under one version); a drop frees a slot for a replacement;
 - ``april`` keeps ``ceil(overprovision * groups_per_step)`` groups in flight, and when a
   batch is full it tells rollout to suspend the rest (``abort``), which then resume
-  under the next version; their staleness is bounded where they resume (rollout
-  abandons stale groups, and the controller drops them as ``stale``) and again where
-  they train;
+  under the next version; with ``max_staleness`` >= 2 the full batch's groups stop
+  counting as in flight, so the next ones are generated while the learner trains;
+  staleness is bounded where samples resume (rollout abandons stale groups, and the
+  controller drops them as ``stale``) and again where they train;
 - each sample of a group is its own trace: the controller starts one ``dispatch`` span
   per sample and sends its ``traceparent`` in the request;
 - the data cursor is the group index: group ``n`` of a run always gets the same task
@@ -65,6 +66,8 @@ class Controller:
         self.dropped_since_step = 0
         self.trained = 0
         self.inflight: dict[str, c.RolloutRequest] = {}
+        self.training: set[str] = set()
+        """April: the groups of the batch being trained (in flight until marked trained)."""
         self.evals = evals
         self.finished = asyncio.Event()
         self.closing = False
@@ -177,7 +180,7 @@ class Controller:
             if a.mode == "april":
                 target = math.ceil(a.overprovision * a.groups_per_step)
                 total = a.steps * a.groups_per_step + target - a.groups_per_step
-                while len(self.inflight) < target and self.dispatched - self.dropped < total:
+                while len(self.inflight) - len(self.training) < target and self.dispatched - self.dropped < total:
                     await self._dispatch()
                 return
             staleness = 0 if a.mode == "sync" else a.max_staleness
@@ -186,10 +189,19 @@ class Controller:
             while self.dispatched < allowed:
                 await self._dispatch()
 
-    async def signal_abort(self, version: int) -> None:
-        """The batch that makes ``version`` is full: suspend what rollout is generating."""
-        if self.cfg.algorithm.mode == "april" and len(self.inflight) > self.cfg.algorithm.groups_per_step:
+    async def signal_abort(self, version: int, batch: list[str]) -> None:
+        """The batch that makes ``version`` is full: suspend what rollout is generating.
+        Where april overlaps (``AlgorithmSettings.april_overlaps``) the batch's groups stop
+        counting against the groups kept in flight, so the next batch's groups are
+        dispatched, and generated under the current version, while the learner trains."""
+        a = self.cfg.algorithm
+        if a.mode != "april":
+            return
+        if len(self.inflight) > a.groups_per_step:
             await self.ctx.bus.publish(c.ROLLOUT_CONTROL, c.RolloutControl(run_id=self.run_id, kind="abort", version=version))
+        if a.april_overlaps and version < a.steps:  # after the last batch nothing more trains
+            self.training = set(batch)
+            await self.refill()
 
     async def _dispatch(self) -> None:
         a = self.cfg.algorithm
@@ -291,6 +303,7 @@ class Controller:
         if res.rowcount != 1:
             raise RuntimeError(f"group {group_id} was already ended; refusing to end it twice")
         self.inflight.pop(group_id, None)
+        self.training.discard(group_id)
         self.ctx.metrics.in_flight.set(len(self.inflight))
         if status == "dropped":
             self.ctx.metrics.dropped.add(1, {"reason": reason or ""})

@@ -122,7 +122,7 @@ class Trainer:
         # Over-provisioned groups still finish after the last step: they wait, and the
         # run's end drops them (``run_finished``), rather than train a version past ``steps``.
         if len(self.ready) >= self.cfg.algorithm.groups_per_step and self.step < self.cfg.algorithm.steps:
-            await self.controller.signal_abort(self.step + 1)
+            await self.controller.signal_abort(self.step + 1, self.ready[: self.cfg.algorithm.groups_per_step])
             await self._train()
 
     async def on_abandoned(self, msg: c.GroupAbandoned) -> None:

@@ -13,8 +13,10 @@ Invariants:
   suspended samples is republished on the resume stream (its finished samples are
   already published) before its request is acked, so a suspended sample is never lost
   and never run twice; with ``partial_rollout = false`` its tokens are discarded and the
-  sample starts again from scratch; until the worker serves the aborting version it
-  takes no fresh work (resumed groups go first, on any worker);
+  sample starts again from scratch; resumed groups go first, on any worker, under the
+  aborting version; with ``max_staleness`` below 2 the worker takes no fresh work until
+  it serves that version, with a larger bound fresh work goes on meanwhile (the
+  learner's next batch, generated while it trains, within the bound);
 - a group with a sample older than ``max_staleness`` is abandoned (the controller drops
   it as ``stale``) instead of continued;
 - a worker whose engine died (``EngineDead``) takes no more work: it hands its messages
@@ -81,18 +83,21 @@ class RolloutWorker:
         if msg.run_id != self.cfg.run.id or msg.kind != "abort" or msg.version <= self.engine.version:
             return
         self.resume_at = max(self.resume_at, msg.version)
-        self.suspend.set()
+        # The samples in flight hold this event and suspend; samples begun after the abort
+        # get a fresh one (they are the next batch's, generated while the learner trains).
+        suspending, self.suspend = self.suspend, asyncio.Event()
+        suspending.set()
         await self.engine.abort()
         log.info("abort: suspending samples in flight until version %d is served", msg.version)
 
     def holding_back(self) -> bool:
-        """True while an abort is in force: fresh groups wait, resumed ones go first."""
-        return self.engine.version < self.resume_at
+        """True while an abort is in force, unless april overlaps (``max_staleness`` >= 2,
+        ``AlgorithmSettings.april_overlaps``): fresh groups wait for the new version, or go
+        on under the old one while the learner trains; resumed groups go first either way."""
+        return not self.cfg.algorithm.april_overlaps and self.engine.version < self.resume_at
 
     def _version_served(self) -> None:
         self.ctx.metrics.version.set(self.engine.version)
-        if self.engine.version >= self.resume_at:
-            self.suspend.clear()
 
     # --- weights -------------------------------------------------------------
 
