@@ -145,7 +145,14 @@ class RolloutWorker:
     async def _receive_transfer(self, msg: c.WeightsPublished) -> None:
         from kiln.shared.weights.vllm_transfer import update_info
 
-        await self._joined  # the sender's group formed with us in it: our join is returning
+        try:
+            # The sender's group formed with us in it, so our join is returning; one that
+            # does not (a restarted engine cannot join a group that formed without it) reads files.
+            await asyncio.wait_for(asyncio.shield(self._joined), BROADCAST_GRACE_S)
+        except asyncio.TimeoutError:
+            log.warning("not in the weights service's NCCL group; reading version %d from its files", msg.version)
+            await self._load_files(msg)
+            return
         async with self._loading:
             with self.ctx.tracer.start_as_current_span("rollout.load_weights", attributes={"policy.version": msg.version}):
                 await self.engine.receive_transfer(msg.version, update_info(msg.manifest))
