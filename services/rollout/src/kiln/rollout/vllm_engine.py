@@ -36,6 +36,7 @@ one sample later than an unchunked one would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -90,19 +91,26 @@ class VllmEngine(InferenceEngine):
                 await self.llm.update_weight_version(str(version))
                 self.version = version
                 return
-            from vllm.v1.engine.exceptions import EngineDeadError
+            async with self._paused(f"loading version {version}"):
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+                await self.llm.collective_rpc("repack_cpu_experts")
+                await self.llm.update_weight_version(str(version))
+                self.version = version
 
+    @contextlib.asynccontextmanager
+    async def _paused(self, doing: str):
+        """Requests in flight frozen (``keep``) around a weight swap, resumed after it even
+        when it fails; a core that dies meanwhile is ``EngineDead``."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            await self.llm.pause_generation(mode="keep", clear_cache=True)
             try:
-                await self.llm.pause_generation(mode="keep", clear_cache=True)
-                try:
-                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
-                    await self.llm.collective_rpc("repack_cpu_experts")
-                    await self.llm.update_weight_version(str(version))
-                    self.version = version
-                finally:
-                    await self.llm.resume_generation()
-            except EngineDeadError as e:
-                raise EngineDead(f"vLLM engine core died loading version {version}: {e}") from e
+                yield
+            finally:
+                await self.llm.resume_generation()
+        except EngineDeadError as e:
+            raise EngineDead(f"vLLM engine core died {doing}: {e}") from e
 
     async def join_transfer(self, init_info: dict) -> None:
         """Join the weights service's NCCL group (blocks until every member has joined)."""
@@ -116,20 +124,12 @@ class VllmEngine(InferenceEngine):
         """Receive ``version`` from the group (the sender broadcasts it concurrently) and
         serve it; requests in flight are paused, not dropped, and continue under it."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-        from vllm.v1.engine.exceptions import EngineDeadError
 
-        async with self._swap:
-            try:
-                await self.llm.pause_generation(mode="keep", clear_cache=True)
-                try:
-                    await self.llm.start_weight_update()
-                    await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-                    await self.llm.finish_weight_update(str(version))
-                    self.version = version
-                finally:
-                    await self.llm.resume_generation()
-            except EngineDeadError as e:
-                raise EngineDead(f"vLLM engine core died receiving version {version}: {e}") from e
+        async with self._swap, self._paused(f"receiving version {version}"):
+            await self.llm.start_weight_update()
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self.llm.finish_weight_update(str(version))
+            self.version = version
 
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         if self.llm is None:
