@@ -9,8 +9,13 @@ until every one of N light receivers (processes running ``WeightReceiver`` on th
 verified, for full versions read in place from the shared store and for delta versions
 rebuilt in each receiver's cache; next to the raw time to copy the same bytes once
 (the physical floor here). Then the bytes a delta ships for one optimizer step of the
-tiny preset, at its learning rate and at fine-tuning ones, in fp32 and bf16. Prints
-markdown tables.
+smoke preset's policy from a fresh optimizer, at its learning rate and at fine-tuning
+ones, in fp32 and bf16. Prints markdown tables.
+
+    .venv/bin/python bench/weights.py --deltas-of-run runs/<run> [--every 10]
+
+The realistic update instead: delta bytes between consecutive versions a finished run
+stored (e.g. ``make run``'s, the tiny preset), in the dtype it stored and in bf16.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings, render_toml
 from kiln.shared.db import Database, Run, upgrade
 from kiln.shared.embedded import NatsServer
+from kiln.shared.weights.manifest import file_infos, sha256_files
 
 RUN = "bench-weights"
 
@@ -80,9 +86,10 @@ async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
     await asyncio.Event().wait()
 
 
-async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int) -> tuple[float, float, float]:
-    """(seconds from hand-over until all n receivers hold v1, raw copy seconds, seconds
-    to sha256 the same bytes once)."""
+async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int) -> tuple[float, float, float, float]:
+    """(seconds from hand-over until all n receivers hold v1, the learner's seconds to
+    hash v1 before handing it over, raw copy seconds, seconds to sha256 the same bytes
+    once)."""
     # One run per measurement: the database remembers which versions a run has stored.
     run = f"{RUN}-{n}-{'delta' if delta else 'full'}"
     async with (db := Database(db_url)).session() as s:
@@ -117,8 +124,14 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
         base = model_folder(tmp / f"v0-{n}-{delta}", mb, 0)
         model_folder(tmp / f"v1-{n}-{delta}", mb, 1, base=base, change=1e-4)
         for v in (0, 1):
+            folder = tmp / f"v{v}-{n}-{delta}"
+            t = time.perf_counter()
+            files = file_infos(folder)  # as the learner does once it has staged a version
+            hashed = time.perf_counter() - t
             t0 = time.perf_counter()
-            ck = c.PolicyCheckpoint(run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(tmp / f"v{v}-{n}-{delta}"))
+            ck = c.PolicyCheckpoint(
+                run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder), files=files
+            )
             await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run}-{v}")
             for _ in range(n):
                 await asyncio.wait_for(done.get(), 600)
@@ -127,11 +140,9 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
         t = time.perf_counter()
         shutil.copytree(tmp / f"v1-{n}-{delta}", tmp / f"copy-{n}-{delta}")
         raw = time.perf_counter() - t
-        from kiln.shared.weights.manifest import sha256_files
-
         t = time.perf_counter()
         sha256_files(sorted((tmp / f"v1-{n}-{delta}").glob("*.safetensors")))
-        return took, raw, time.perf_counter() - t
+        return took, hashed, raw, time.perf_counter() - t
     finally:
         for p in receivers + [weights]:
             p.send_signal(signal.SIGTERM)
@@ -183,6 +194,35 @@ def one_step_deltas() -> list[str]:
     return rows
 
 
+def run_deltas(run_dir: Path, every: int) -> list[str]:
+    """Delta bytes between consecutive versions a finished run stored (one optimizer step
+    each, Adam's state and the learning-rate schedule as the run had them), as stored and
+    cast to bf16 (what an engine serving bf16 would be sent)."""
+    from safetensors.torch import load_file
+
+    from kiln.shared.weights.delta import make_delta
+
+    stores = [p for p in (run_dir / "weights").iterdir() if p.is_dir()]
+    if len(stores) != 1:
+        raise SystemExit(f"expected one run's versions under {run_dir / 'weights'}, found {stores}")
+    versions = sorted(int(p.name[1:]) for p in stores[0].glob("v*") if (p / "model.safetensors").is_file())
+    rows = []
+    for v in versions[1::every]:
+        if v - 1 not in versions:
+            continue
+        d = Path(tempfile.mkdtemp(prefix="kiln-bench-run-"))
+        pair = {n: load_file(str(stores[0] / f"v{u:06d}" / "model.safetensors")) for n, u in (("a", v - 1), ("b", v))}
+        for dtype in (torch.float32, torch.bfloat16):
+            for n, sd in pair.items():
+                (d / f"{n}{dtype}").mkdir()
+                save_file({k: t.to(dtype).contiguous() for k, t in sd.items()}, str(d / f"{n}{dtype}" / "model.safetensors"))
+            full = (d / f"b{dtype}" / "model.safetensors").stat().st_size
+            blob = make_delta(d / f"a{dtype}", d / f"b{dtype}", ["model.safetensors"], base_version=v - 1)
+            rows.append(f"| v{v - 1} -> v{v} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |")
+        shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
 async def main(counts: list[int], mb: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-weights-"))
     nats = NatsServer(tmp / "nats").start()
@@ -192,14 +232,14 @@ async def main(counts: list[int], mb: int) -> None:
     try:
         for delta in (False, True):
             for n in counts:
-                took, raw, sha = await distribution(tmp, nats, db_url, n, delta, mb)
+                took, hashed, raw, sha = await distribution(tmp, nats, db_url, n, delta, mb)
                 kind = "delta (rebuilt per receiver)" if delta else "full (shared store, in place)"
-                rows.append(f"| {kind} | {n} | {took:.2f} | {took / n:.3f} | {raw:.3f} | {sha:.3f} | {took / raw:.1f}x |")
+                rows.append(f"| {kind} | {n} | {hashed:.3f} | {took:.2f} | {took / n:.3f} | {raw:.3f} | {sha:.3f} | {took / raw:.1f}x |")
     finally:
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"| transport ({mb} MB version) | receivers | hand-over -> all hold v1 (s) | per receiver (s) | raw copy once (s) | sha256 once (s) | all hold / raw copy |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| transport ({mb} MB version) | receivers | learner hashes v1 (s) | hand-over -> all hold v1 (s) | per receiver (s) | raw copy once (s) | sha256 once (s) | all hold / raw copy |")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\n| lr | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
     print("\n".join(one_step_deltas()))
@@ -212,6 +252,12 @@ if __name__ == "__main__":
         ap = argparse.ArgumentParser()
         ap.add_argument("--receivers", type=int, nargs="+", default=[1, 4, 16])
         ap.add_argument("--mb", type=int, default=200)
+        ap.add_argument("--deltas-of-run", type=Path, help="only: delta bytes between consecutive versions of this finished run's folder")
+        ap.add_argument("--every", type=int, default=10, help="with --deltas-of-run: one version pair in this many")
         a = ap.parse_args()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        asyncio.run(main(a.receivers, a.mb))
+        if a.deltas_of_run:
+            print("| versions | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
+            print("\n".join(run_deltas(a.deltas_of_run, a.every)))
+        else:
+            asyncio.run(main(a.receivers, a.mb))

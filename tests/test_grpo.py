@@ -18,6 +18,9 @@ def test_group_advantages():
     assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, [1, -1, -1, 1]))
     assert group_advantages([0.0, 0.0, 0.0], std_normalize=True) == [0.0, 0.0, 0.0]
     assert group_advantages([], std_normalize=False) == []
+    # W-REINFORCE: only the below-average samples are scaled
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], std_normalize=False, negative_weight=0.1) == pytest.approx([0.75, -0.025, -0.025, -0.025])
+    assert group_advantages([1.0, 0.0], std_normalize=False, negative_weight=0.0) == [0.5, 0.0]
     # rewards of valid samples only: a missing score must not become a group-wide nan
     with pytest.raises(ValueError, match="non-finite"):
         group_advantages([1.0, float("nan")], std_normalize=False)

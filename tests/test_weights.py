@@ -100,6 +100,45 @@ async def test_delta_ships_only_what_changed(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (folders[1] / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_delta_codes_small_steps_small_and_any_bytes_exactly(tmp_path, dtype):
+    """Word differences round-trip every bit pattern (NaNs, infinities, sign flips, wrap
+    around), and a step of a few units in the last place costs a fraction of the bytes."""
+    from safetensors.torch import save_file
+
+    from kiln.shared.weights.delta import apply_delta, make_delta, word_width
+
+    g = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        old = torch.randn(64, 1000, generator=g) * 0.02
+        new = old + 4e-4 * torch.randn(old.shape, generator=g)  # ~2% of a weight: one Adam step
+        old, new = old.to(dtype), new.to(dtype)
+        new[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).to(dtype)
+        new[1] = -new[1]
+    else:
+        old = torch.randint(-(2**62), 2**62, (64, 1000), generator=g)
+        new = old.clone()
+        new[0, 0], new[0, 1] = 2**63 - 1, -(2**63)
+    for v, t in (("a", old), ("b", new)):
+        (tmp_path / v).mkdir()
+        save_file({"w": t, "b": t[:3, :5].clone()}, str(tmp_path / v / "model.safetensors"))
+    (tmp_path / "a" / "config.json").write_text("{}")
+    (tmp_path / "b" / "config.json").write_text('{"x": 1}')
+    f = tmp_path / "b" / "model.safetensors"
+    assert word_width(f, f.read_bytes()) == new.element_size()
+    blob = make_delta(tmp_path / "a", tmp_path / "b", ["model.safetensors", "config.json"], base_version=0)
+    apply_delta(blob, tmp_path / "a", tmp_path / "c")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    if dtype.is_floating_point:  # fewer bytes than the XOR of the same files, compressed alike
+        import numpy as np
+        import zstandard
+
+        a, b = (np.frombuffer((tmp_path / v / "model.safetensors").read_bytes(), np.uint8) for v in "ab")
+        xor = len(zstandard.ZstdCompressor(level=3).compress((a ^ b).tobytes()))
+        assert len(blob) < (0.85 if dtype == torch.bfloat16 else 0.95) * xor, (len(blob), xor)
+
+
 def test_full_versions_are_linked_on_one_filesystem_and_copied_across(tmp_path, monkeypatch):
     import errno
     import os
@@ -116,6 +155,49 @@ def test_full_versions_are_linked_on_one_filesystem_and_copied_across(tmp_path, 
     s1 = store.put(staged[1], run_id="r", version=1, step=1, parent_version=0)
     assert os.stat(s1.path / "model.safetensors").st_ino != os.stat(staged[1] / "model.safetensors").st_ino
     assert same_files(s1.path, staged[1]) and not list(s1.path.parent.glob("*.tmp-*"))
+
+
+async def test_the_store_takes_the_writers_digests_and_receivers_check_them(tmp_path, monkeypatch):
+    """The learner hashes what it staged; the store builds the manifest from those digests
+    without hashing again, refuses a folder that does not hold what was listed, and a byte
+    changed after the learner hashed is caught by the receiver (linked) or the store
+    (copied)."""
+    import errno
+    import os
+
+    from kiln.shared.weights import manifest as mf
+
+    staged = checkpoints(tmp_path, 3)
+    files = [mf.file_infos(s) for s in staged]
+    store = VersionStore(tmp_path / "store", delta=False, keyframe_every=10)
+    hashed = []
+    monkeypatch.setattr(mf, "sha256_files", lambda paths: hashed.extend(paths) or [])
+    s0 = store.put(staged[0], run_id="r", version=0, step=0, parent_version=None, files=files[0])
+    assert s0.manifest.files == files[0] and not hashed  # nothing hashed by the store
+    monkeypatch.undo()
+    with pytest.raises(IntegrityError, match="does not hold the files its writer listed"):
+        store.put(staged[1], run_id="r", version=1, step=1, parent_version=0, files=files[1][:-1])
+    assert store.versions("r") == [0]
+
+    f = staged[1] / "model.safetensors"  # rewritten in place after the learner hashed it
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    s1 = store.put(staged[1], run_id="r", version=1, step=1, parent_version=0, files=files[1])
+    with pytest.raises(IntegrityError, match="does not match its manifest sha256"):
+        await WeightReceiver(FsSource(tmp_path / "store")).fetch(published(s1, v=1))
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    f = staged[2] / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        store.put(staged[2], run_id="r", version=2, step=2, parent_version=1, files=files[2])
+    assert store.versions("r") == [0, 1] and not list((tmp_path / "store" / "r").glob("*.tmp-*"))
 
 
 async def test_corruption_is_detected_and_refetched(tmp_path):

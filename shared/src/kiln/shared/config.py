@@ -209,6 +209,13 @@ class AlgorithmSettings(Section):
     """AdamW weight decay."""
     std_normalize: bool = False
     """Divide group advantages by the group's reward std (Dr. GRPO leaves it off)."""
+    negative_weight: float = Field(default=1.0, ge=0, le=1)
+    """Scale of negative advantages (samples worse than their group's mean); 1: plain
+    GRPO, 0: only better-than-average samples are reinforced (rejection-sampling
+    fine-tuning on the policy's own successes), in between: W-REINFORCE (Zhu et al.,
+    2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning").
+    Pushing failures down is what spreads probability over other tokens; a small weight
+    keeps a fragile policy from being pushed into degenerate text."""
     group_deadline_s: float = 600.0
     """A group not fully scored this long after dispatch is dropped (reason ``deadline``)."""
 

@@ -549,6 +549,12 @@ class PolicyCheckpoint(Message):
     step: int
     parent_version: int | None
     path: str
+    files: list[FileInfo] = Field(default_factory=list)
+    """Size and sha256 of every staged file, computed by the learner that wrote them
+    (``kiln.shared.weights.manifest.file_infos``): the weights service builds the manifest
+    from these instead of hashing the folder again, and receivers verify against them, so
+    a version is hashed once at its source and once per copy that is served. Empty: the
+    weights service hashes the folder itself."""
     trace_id: str = ""
 
 

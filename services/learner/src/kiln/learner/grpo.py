@@ -63,8 +63,9 @@ KL_ESTIMATORS = {
 }
 
 
-def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-6) -> list[float]:
-    """Mean-centred (optionally std-normalised) advantages of one group. ``rewards`` are
+def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-6, negative_weight: float = 1.0) -> list[float]:
+    """Mean-centred (optionally std-normalised) advantages of one group, the negative ones
+    scaled by ``negative_weight`` (W-REINFORCE; 1 leaves them). ``rewards`` are
     those of the group's valid samples only: an ``infra_error`` sample has no reward (its
     placeholder 0 would bias the group), so the caller leaves it out; a non-finite reward
     is refused rather than spread over the whole group."""
@@ -76,7 +77,7 @@ def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-
     a = r - r.mean()
     if std_normalize and len(rewards) > 1:
         a = a / (r.std(unbiased=False) + eps)
-    return a.tolist()
+    return torch.where(a < 0, a * negative_weight, a).tolist()
 
 
 def trained_token_mask(

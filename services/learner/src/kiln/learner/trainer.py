@@ -33,6 +33,7 @@ from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery
 from kiln.shared.service import ServiceContext
 from kiln.shared.telemetry import extract_context
+from kiln.shared.weights.manifest import file_infos
 
 from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
@@ -84,11 +85,15 @@ class Trainer:
                 if old.name[1:].isdigit() and int(old.name[1:]) < self.controller.published_version:
                     shutil.rmtree(old, ignore_errors=True)
         await asyncio.to_thread(self.policy.stage, folder)
+        # Hashed here, where the bytes were made: the weights service does not hash again.
+        files = await asyncio.to_thread(file_infos, folder)
         if committed is not None:
             await asyncio.to_thread(committed)
         await self.ctx.bus.publish(
             c.WEIGHTS_CHECKPOINT,
-            c.PolicyCheckpoint(run_id=self.cfg.run.id, version=version, step=self.step, parent_version=parent, path=str(folder)),
+            c.PolicyCheckpoint(
+                run_id=self.cfg.run.id, version=version, step=self.step, parent_version=parent, path=str(folder), files=files
+            ),
             msg_id=f"{self.cfg.run.id}-ckpt-v{version}",
         )
 
@@ -189,7 +194,7 @@ class Trainer:
             used += entries
             valid = [s for s, _ in entries if not s.infra_error]
             infra += len(entries) - len(valid)
-            for s, adv in zip(valid, group_advantages([s.reward for s in valid], a.std_normalize)):
+            for s, adv in zip(valid, group_advantages([s.reward for s in valid], a.std_normalize, negative_weight=a.negative_weight)):
                 batch.append((s.trajectory, adv))
                 rewards.append(s.reward)
                 passes.append(s.passed)

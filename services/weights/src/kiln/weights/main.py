@@ -26,6 +26,7 @@ from kiln.shared.bus import Delivery, Reject
 from kiln.shared.db import Database, PolicyVersion
 from kiln.shared.http import serve_http
 from kiln.shared.service import ServiceContext, service_main
+from kiln.shared.weights.manifest import IntegrityError
 
 from kiln.weights.api import build_app
 from kiln.weights.config import WeightsConfig, store_dir
@@ -51,9 +52,13 @@ async def serve(ctx: ServiceContext) -> None:
             raise Reject(f"checkpoint folder {src} has no config.json")
         t0 = time.monotonic()
         with ctx.tracer.start_as_current_span("weights.store", attributes={"policy.version": ck.version}):
-            stored = await asyncio.to_thread(
-                store.put, src, run_id=ck.run_id, version=ck.version, step=ck.step, parent_version=ck.parent_version
-            )
+            try:
+                stored = await asyncio.to_thread(
+                    store.put, src, run_id=ck.run_id, version=ck.version, step=ck.step, parent_version=ck.parent_version,
+                    files=ck.files or None,
+                )  # fmt: skip
+            except IntegrityError as e:  # the folder is not what the learner hashed: retrying cannot help
+                raise Reject(str(e)) from e
             m = stored.manifest
             async with db.session() as s:
                 row = await s.get(PolicyVersion, (ck.run_id, ck.version))

@@ -13,9 +13,12 @@ a full version is never broken by retention (a version is kept whenever a kept v
 needs it); storing the same version twice stores it once (a redelivered checkpoint).
 
 A full version is hard-linked from the learner's staging folder when both are on one
-filesystem (no copy, no second hash): the learner hands a staged folder over and never
-rewrites its files in place (it writes each version to a new folder), so the linked
-inodes keep the bytes the manifest hashed. Elsewhere the files are copied and verified.
+filesystem (no copy): the learner hands a staged folder over and never rewrites its files
+in place (it writes each version to a new folder), so the linked inodes keep the bytes
+the manifest describes. Elsewhere the files are copied and the copy verified. The
+manifest's digests are the learner's when it sent them (``PolicyCheckpoint.files``):
+the store then hashes nothing on the linked path, and every receiver checks the bytes it
+serves against what the learner wrote.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from kiln.shared.contracts import FileInfo, WeightsManifest
 from kiln.shared.weights.delta import make_delta
-from kiln.shared.weights.manifest import MANIFEST, build_manifest, verify
+from kiln.shared.weights.manifest import MANIFEST, IntegrityError, build_manifest, verify
 
 DELTA = "delta.kd"
 
@@ -74,12 +77,17 @@ class VersionStore:
             return []
         return sorted(int(p.name[1:]) for p in d.iterdir() if p.name.startswith("v") and (p / MANIFEST).is_file())
 
-    def put(self, src: Path, *, run_id: str, version: int, step: int, parent_version: int | None) -> Stored:
+    def put(
+        self, src: Path, *, run_id: str, version: int, step: int, parent_version: int | None,
+        files: list[FileInfo] | None = None,
+    ) -> Stored:
+        """Store the staged folder ``src`` as ``version``; ``files``: its writer's digests
+        (``build_manifest``)."""
         dest = self.version_dir(run_id, version)
         if (dest / MANIFEST).exists():  # already stored (a redelivered checkpoint)
             body = (dest / MANIFEST).read_bytes()
             return Stored(dest, WeightsManifest.model_validate_json(body), hashlib.sha256(body).hexdigest())
-        manifest = build_manifest(src, run_id=run_id, version=version, step=step, parent_version=parent_version)
+        manifest = build_manifest(src, run_id=run_id, version=version, step=step, parent_version=parent_version, files=files)
         base = self.root / run_id / ".base"
         as_delta = (
             self.delta
@@ -98,10 +106,14 @@ class VersionStore:
             manifest.base_version = parent_version
             manifest.delta = FileInfo(path=DELTA, size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
         elif link_tree(src, tmp):
-            pass  # the same inodes the manifest was just hashed from: nothing to re-check
+            pass  # the very inodes the writer hashed: receivers check them before serving
         else:
             shutil.copytree(src, tmp, dirs_exist_ok=True)
-            verify(tmp, manifest)  # the copy is what receivers will read
+            try:
+                verify(tmp, manifest)  # the copy is what receivers will read
+            except IntegrityError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         body = manifest.model_dump_json(by_alias=True, indent=2).encode()
         (tmp / MANIFEST).write_bytes(body)
         shutil.rmtree(dest, ignore_errors=True)

@@ -3,6 +3,12 @@
 Every file of a version has its size and sha256 in the manifest, every tensor its dtype,
 shape and file (read from the safetensors header, no torch needed). ``verify`` is the
 gate every receiver passes before it serves a version.
+
+Digests are taken where the bytes are made: the learner hashes the folder it staged
+(``file_infos``) and hands the digests over with it; ``build_manifest`` then only checks
+that the folder holds exactly those files at those sizes. A version is thus hashed once
+at its source and once by each receiver that serves a copy, and a byte that changes
+anywhere between the learner's disk and a receiver is caught by that receiver.
 """
 
 from __future__ import annotations
@@ -46,12 +52,38 @@ def safetensors_header(path: Path) -> dict:
         return json.loads(f.read(n))
 
 
-def build_manifest(folder: Path, *, run_id: str, version: int, step: int, parent_version: int | None) -> WeightsManifest:
-    files, tensors = [], {}
-    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    for f, digest in zip(paths, sha256_files(paths)):
+def _staged(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def file_infos(folder: Path) -> list[FileInfo]:
+    """Size and sha256 of every file of a staged version (what its writer hands over)."""
+    paths = _staged(folder)
+    return [
+        FileInfo(path=str(f.relative_to(folder)), size=f.stat().st_size, sha256=digest)
+        for f, digest in zip(paths, sha256_files(paths))
+    ]
+
+
+def build_manifest(
+    folder: Path, *, run_id: str, version: int, step: int, parent_version: int | None, files: list[FileInfo] | None = None
+) -> WeightsManifest:
+    """The manifest of a staged version; ``files`` are the digests its writer took
+    (``file_infos``): given, the folder must hold exactly those files at those sizes
+    (``IntegrityError`` otherwise) and is not hashed again; None, it is hashed here."""
+    paths = _staged(folder)
+    if files is None:
+        files = file_infos(folder)
+    else:
+        on_disk = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
+        listed = {fi.path: fi.size for fi in files}
+        if on_disk != listed:
+            raise IntegrityError(f"{folder} does not hold the files its writer listed: {on_disk} on disk, {listed} listed")
+        by_path = {fi.path: fi for fi in files}
+        files = [by_path[str(p.relative_to(folder))] for p in paths]
+    tensors = {}
+    for f in paths:
         rel = str(f.relative_to(folder))
-        files.append(FileInfo(path=rel, size=f.stat().st_size, sha256=digest))
         if f.suffix == ".safetensors":
             for name, info in safetensors_header(f).items():
                 if name != "__metadata__":
