@@ -23,7 +23,9 @@ def test_shared_wheel_has_suite_and_migrations(tmp_path):
         "kiln/shared/db/migrations/env.py",
         "kiln/shared/db/migrations/script.py.mako",
         "kiln/shared/db/migrations/versions/0001_initial_schema.py",
-        "kiln/shared/contracts.py",
+        "kiln/shared/contracts/__init__.py",
+        "kiln/shared/contracts/messages.py",
+        "kiln/shared/contracts/envpool.py",
     ):
         assert needed in names, f"{needed} is missing from the kiln-shared wheel"
     assert not any(n.startswith("kiln/__init__") for n in names), "kiln must stay a namespace package"

@@ -1,0 +1,119 @@
+"""Request/reply schemas of env-pool nodes and the health probe.
+
+Part of ``kiln.shared.contracts`` (import them from there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from kiln.shared.contracts.messages import Message, SandboxRef, ToolCall, ToolResult
+
+
+class SandboxCreate(Message):
+    task_id: str
+    run_id: str = ""
+    ttl_s: float = 900.0
+    """Lease length; the node reaps the sandbox after it unless renewed."""
+    snapshot_key: str | None = None
+    """Start from this snapshot (``SnapshotRef.key``) instead of the task's files."""
+
+
+class SandboxCreated(Message):
+    sandbox: SandboxRef
+    workspace: str
+    """Path of the workspace on the node (for operators; callers use the API, not the path)."""
+
+
+class SandboxExec(Message):
+    sandbox_id: str
+    command: str
+    timeout_s: float = 60.0
+
+
+class ExecResult(Message):
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    truncated: bool = False
+
+
+class SandboxTools(Message):
+    sandbox_id: str
+    calls: list[ToolCall]
+
+
+class ToolResults(Message):
+    results: list[ToolResult]
+
+
+class SandboxFork(Message):
+    """Clone a live sandbox's workspace into a new sandbox on the same node."""
+
+    sandbox_id: str
+    ttl_s: float = 900.0
+
+
+class SandboxSnapshot(Message):
+    sandbox_id: str
+
+
+class SnapshotRef(Message):
+    """A workspace captured in the ``kiln-snapshots`` object store, restorable on any node."""
+
+    key: str
+    size: int
+    sha256: str
+    task_id: str
+
+
+class SandboxRenew(Message):
+    sandbox_id: str
+    ttl_s: float
+
+
+class SandboxRenewed(Message):
+    sandbox_id: str
+    expires_at: float
+
+
+class NodeStatsRequest(Message):
+    """Body of a ``stats`` request (empty)."""
+
+
+class NodeStats(Message):
+    node_id: str
+    backend: str
+    cgroups: str
+    """``v1``, ``v2`` or ``none`` (rlimits only)."""
+    leased: int
+    idle: int
+    creating: int
+    capacity: int
+    created_total: int
+    reaped_total: int
+    http_url: str = ""
+
+
+class SandboxDestroy(Message):
+    sandbox_id: str
+
+
+class SandboxDestroyed(Message):
+    sandbox_id: str
+    existed: bool
+
+
+class HealthProbe(Message):
+    """Body of a ``kiln.health.<service>`` request (empty)."""
+
+
+class HealthReply(Message):
+    service: str
+    instance: str
+    uptime_s: float
+    detail: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,367 @@
+"""Message schemas of the run: rollout work, trajectories, scores, policy versions, metrics.
+
+Part of ``kiln.shared.contracts`` (import them from there); every message derives from
+``Message``: strict (unknown fields refused), versioned (``schema``), JSON on the wire.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+
+class Message(BaseModel):
+    """Base of every message on the bus: strict, versioned, JSON on the wire."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=False)
+
+    schema_: Literal[1] = Field(default=SCHEMA_VERSION, alias="schema")
+    """Schema version of this message; receivers reject versions they do not know."""
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes):
+        return cls.model_validate_json(data)
+
+
+class RolloutRequest(Message):
+    """One group of ``n_samples`` rollouts of one task, all started from the same policy version."""
+
+    run_id: str
+    group_id: str
+    task_id: str
+    n_samples: int = Field(ge=1)
+    dispatch_version: int = Field(ge=0)
+    """Policy version the controller dispatched this group for; workers serve at least it."""
+    deadline: float
+    """Unix time after which the controller drops the group (reason ``deadline``)."""
+    sample_traces: list[str] = Field(default_factory=list)
+    """W3C ``traceparent`` per sample: every trajectory is its own trace, rooted at dispatch."""
+    samples: list[int] | None = None
+    """Sample indices still to run (a resumed group); None = all ``n_samples``."""
+    partials: list[PartialSample] = Field(default_factory=list)
+    """Suspended samples to continue where they stopped; samples in ``samples`` without
+    one start from scratch."""
+    suspensions: int = 0
+    """How many times this group has been suspended (part of its resume message id)."""
+    resume_version: int = 0
+    """A resumed group runs only on a worker serving at least this version (the one whose
+    batch filled when it was suspended)."""
+
+    @model_validator(mode="after")
+    def _traces_match_samples(self) -> RolloutRequest:
+        if self.sample_traces and len(self.sample_traces) != self.n_samples:
+            raise ValueError("sample_traces must have one entry per sample")
+        return self
+
+
+class ToolCall(Message):
+    """One tool call as parsed from the model's output."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResult(Message):
+    call_id: str
+    name: str
+    output: str = ""
+    error: str | None = None
+    """Set when the call failed; the model sees ``{"error": ...}`` as its observation."""
+
+
+class ChatMessage(Message):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    version: int | None = None
+    """Policy version that generated an assistant message (the last one, if it spans several)."""
+
+
+class SandboxRef(Message):
+    node_id: str
+    sandbox_id: str
+
+
+class SandboxDiff(Message):
+    """What changed in a sandbox's workspace since it was created from its task."""
+
+    sandbox_id: str
+
+
+class WorkspaceDiff(Message):
+    """File-level changes against the task's files: enough to rebuild the final workspace
+    in a fresh sandbox (reward does, when the trajectory's own sandbox is gone)."""
+
+    changed: dict[str, str] = Field(default_factory=dict)
+    """Path -> new text of every added or modified text file."""
+    deleted: list[str] = Field(default_factory=list)
+    binary: list[str] = Field(default_factory=list)
+    """Added or modified files that are not text or are too large (not carried)."""
+
+
+class TrajectoryStatus(str, Enum):
+    FINISHED = "finished"
+    INFRA_ERROR = "infra_error"
+
+
+class Trajectory(Message):
+    """A whole agent episode. Token arrays are parallel: ``token_ids[i]`` was produced
+    with ``logprobs[i]`` under policy ``token_versions[i]`` when ``loss_mask[i]`` is 1;
+    prompt and observation tokens have mask 0, logprob 0 and version -1."""
+
+    run_id: str
+    trajectory_id: str
+    group_id: str
+    task_id: str
+    sample_index: int
+    dispatch_version: int
+    status: TrajectoryStatus
+    infra_error: str | None = None
+    messages: list[ChatMessage] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    token_versions: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    num_turns: int = 0
+    malformed_tool_calls: int = 0
+    finish_reason: str = ""
+    """Why the episode ended: ``no_tool_call``, ``max_turns``, ``max_tokens``, ``deadline``, ``error``."""
+    sandbox: SandboxRef | None = None
+    """The sandbox holding the final workspace; reward runs the tests there and destroys it."""
+    final_diff: WorkspaceDiff | None = None
+    """The final workspace as changes to the task's files, for scoring in a fresh sandbox
+    when ``sandbox`` is gone."""
+    worker_id: str = ""
+    started_at: float = Field(default_factory=time.time)
+    finished_at: float = Field(default_factory=time.time)
+    purpose: Literal["train", "eval"] = "train"
+    """``eval``: an evaluation episode; reward sends its score to ``kiln.eval.scored``."""
+    eval_id: str = ""
+    """The evaluation it belongs to (``purpose = eval``)."""
+
+    @model_validator(mode="after")
+    def _parallel_arrays(self) -> Trajectory:
+        n = len(self.token_ids)
+        if not (len(self.logprobs) == len(self.token_versions) == len(self.loss_mask) == n):
+            raise ValueError("token_ids, logprobs, token_versions and loss_mask must have equal length")
+        return self
+
+    def generated_versions(self) -> list[int]:
+        return [v for v, m in zip(self.token_versions, self.loss_mask) if m]
+
+
+class PartialSample(Message):
+    """A sample suspended mid-episode (APRIL): everything needed to continue it on any
+    worker. Token arrays are parallel as in ``Trajectory``; ``turn_tokens`` generated
+    tokens of the open assistant turn (already in ``token_ids``)."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    loss_mask: list[int]
+    messages: list[ChatMessage]
+    num_turns: int
+    """Completed assistant turns."""
+    turn_tokens: int = 0
+    malformed_tool_calls: int = 0
+    sandbox: SandboxRef | None = None
+    """The sample's sandbox, still leased; None once lost (the resume fails the sample as
+    an infrastructure error)."""
+    started_at: float
+    worker_id: str = ""
+
+    def oldest_version(self) -> int | None:
+        gen = [v for v, m in zip(self.token_versions, self.loss_mask) if m]
+        return min(gen) if gen else None
+
+
+class CaseStatus(str, Enum):
+    """Outcome of one test case of a task."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    ERROR = "error"
+    SKIPPED = "skipped"
+    MISSING = "missing"
+
+
+class ScoredTrajectory(Message):
+    trajectory: Trajectory
+    reward: float
+    passed: bool
+    """All FAIL_TO_PASS and PASS_TO_PASS tests passed."""
+    tests: dict[str, CaseStatus] = Field(default_factory=dict)
+    reward_terms: dict[str, float] = Field(default_factory=dict)
+    """Each term of ``reward`` (``tests`` and any shaping terms); ``reward`` is their sum."""
+    rescored_from_diff: bool = False
+    """The trajectory's sandbox was gone: the tests ran in a fresh one with its diff applied."""
+    infra_error: str | None = None
+    """Set when scoring could not run: the learner masks the trajectory out, never scores it 0."""
+    test_output: str = ""
+    scored_at: float = Field(default_factory=time.time)
+
+
+class TensorInfo(Message):
+    file: str
+    dtype: str
+    shape: list[int]
+
+
+class FileInfo(Message):
+    path: str
+    size: int
+    sha256: str
+
+
+class WeightsManifest(Message):
+    """Everything a receiver needs to fetch and verify a policy version."""
+
+    run_id: str
+    version: int
+    step: int
+    parent_version: int | None
+    files: list[FileInfo]
+    tensors: dict[str, TensorInfo]
+    storage: Literal["full", "delta"] = "full"
+    """``full``: the store holds this version's files; ``delta``: only its delta against
+    ``base_version`` (rebuild from the nearest full version before it)."""
+    base_version: int | None = None
+    delta: FileInfo | None = None
+    """The delta blob (``delta.kd``) when ``storage`` is ``delta``."""
+    created_at: float = Field(default_factory=time.time)
+
+
+class PolicyCheckpoint(Message):
+    """Learner -> weights: parameters of ``version`` staged as an HF-format folder at ``path``."""
+
+    run_id: str
+    version: int
+    step: int
+    parent_version: int | None
+    path: str
+    files: list[FileInfo] = Field(default_factory=list)
+    """Size and sha256 of every staged file, computed by the learner that wrote them
+    (``kiln.shared.weights.manifest.file_infos``): the weights service builds the manifest
+    from these instead of hashing the folder again, and receivers verify against them, so
+    a version is hashed once at its source and once per copy that is served. Empty: the
+    weights service hashes the folder itself."""
+    trace_id: str = ""
+
+
+class WeightsPublished(Message):
+    run_id: str
+    version: int
+    step: int
+    path: str
+    """Directory of the stored version in the weights store (for receivers that share its disk)."""
+    manifest: WeightsManifest
+    manifest_sha256: str
+    url: str = ""
+    """Base URL of the weights service's HTTP API (for receivers that do not share the disk)."""
+    broadcast: bool = False
+    """The weights service sends this version over its broadcast group right after this
+    event (its group had formed): ``vllm-nccl`` engines post their receive for it; the
+    others fetch its files."""
+
+
+class GroupDropped(Message):
+    run_id: str
+    group_id: str
+    reason: Literal["stale", "infra_error", "deadline", "invalid", "run_finished"]
+    detail: str = ""
+
+
+class StepMetrics(Message):
+    run_id: str
+    step: int
+    version: int
+    """The policy version this step produced."""
+    groups: int
+    trajectories: int
+    mean_reward: float
+    pass_rate: float
+    loss: float
+    infra_errors: int
+    dropped_groups: int
+    mean_staleness: float
+    max_staleness: int
+    step_seconds: float
+    wait_seconds: float
+    """Time the learner waited for a full batch before this step (its idle time)."""
+    tokens: int
+    elapsed_seconds: float
+    generated_tokens: int = 0
+    """Trained (generated) tokens in the batch."""
+    off_policy_tokens: int = 0
+    """Of those, tokens sampled by an older policy than the one this step starts from."""
+    ratio_mean: float = 0.0
+    """Mean importance ratio pi_theta / pi_behaviour over the trained tokens (1 when the
+    learner's log-probabilities match the engine's)."""
+    clip_frac: float = 0.0
+    """Fraction of trained tokens whose ratio the PPO clip cut off."""
+    kl: float = 0.0
+    """Mean per-token KL estimate to the reference policy (0 without ``kl_coef``)."""
+    aux_loss: float = 0.0
+    """The MoE load-balancing loss of the step."""
+    grad_norm: float = 0.0
+    """Global gradient norm before clipping."""
+    lr: float = 0.0
+    """Learning rate this step applied (after warm-up and decay)."""
+
+
+class RolloutControl(Message):
+    """``abort``: the learner's batch for ``version`` is full; workers suspend what they
+    are generating and resume it once they serve ``version`` or later."""
+
+    run_id: str
+    kind: Literal["abort"]
+    version: int
+    at: float = Field(default_factory=time.time)
+
+
+class GroupAbandoned(Message):
+    """A group rollout will not finish (``reason``: ``stale``); the controller drops it."""
+
+    run_id: str
+    group_id: str
+    reason: str
+    detail: str = ""
+
+
+class EvalRequest(Message):
+    """Episodes of one task under exactly one policy version, for an evaluation: greedy
+    (``temperature`` 0, one sample) or ``n_samples`` draws for pass@k. Seeds depend on
+    ``seed``, the task and the sample only, so every version is measured on the same
+    random numbers."""
+
+    run_id: str
+    eval_id: str
+    weights: WeightsPublished
+    """The version to evaluate, as announced (the worker fetches and verifies it)."""
+    task_id: str
+    mode: Literal["greedy", "sampled"]
+    n_samples: int = Field(ge=1)
+    temperature: float = Field(ge=0.0)
+    seed: int
+    deadline: float
+
+
+class RunEvent(Message):
+    run_id: str
+    kind: Literal["started", "resumed", "finished", "failed"]
+    detail: str = ""
+    at: float = Field(default_factory=time.time)
+
+
+RolloutRequest.model_rebuild()
