@@ -25,13 +25,14 @@ from harness import InProcessPlatform, experiment, wait_run_ended
 SIM = {"length_median": 40.0, "length_sigma": 1.2, "step_s": 0.02, "max_batch": 64, "load_s": 0.02}
 
 
-async def _april_run(nats_server, bus, pg_url, run_dir, **algorithm):
+async def _april_run(nats_server, bus, pg_url, run_dir, max_dropped_groups=100, reward=None, **algorithm):
     exp = experiment(
         run_dir, nats_server.url, pg_url,
         algorithm={"mode": "april", "steps": 4, "groups_per_step": 2, "samples_per_group": 2, "overprovision": 2.0,
                    "max_staleness": 2, "group_deadline_s": 120, **algorithm},
         rollout={"engine": "sim", "sim": SIM, "concurrent_groups": 8, "max_turns": 1, "max_new_tokens": 400},
-        learner={"max_dropped_groups": 100, "deadline_check_s": 0.5},
+        learner={"max_dropped_groups": max_dropped_groups, "deadline_check_s": 0.5},
+        **({"reward": reward} if reward else {}),
     )  # fmt: skip
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
@@ -92,3 +93,34 @@ async def test_group_older_than_max_staleness_never_trains(nats_server, bus, pg_
     assert stale and all("versions old" in g.detail for g in stale)
     for t in trained:
         assert t.min_version == t.max_version == t.trained_version - 1
+
+
+def _rewards_by_group(trajs) -> dict[str, set[float]]:
+    out: dict[str, set[float]] = {}
+    for t in trajs:
+        if t.purpose == "train" and t.reward is not None and not t.infra_error:
+            out.setdefault(t.group_id, set()).add(t.reward)
+    return out
+
+
+@pytest.mark.timeout(300)
+async def test_uniform_groups_are_replaced_up_to_the_budget(nats_server, bus, pg_url, run_dir):
+    # Every sim sample fails its tests (reward 0), so every group is uniform: each step drops
+    # exactly 2 as no_signal and replaces them, then trains uniform ones (the run still ends),
+    # and those drops do not count against max_dropped_groups (1 here).
+    groups, trained, _ = await _april_run(nats_server, bus, pg_url, run_dir, max_dropped_groups=1, uniform_group_retries=2)
+    filtered = [g for g in groups if g.reason == "no_signal"]
+    assert len(filtered) == 2 * 4, [(g.group_id, g.reason) for g in groups if g.status == "dropped"]
+    assert all(g.detail == "all 2 samples scored 0.0" for g in filtered)
+    assert {t.trained_version for t in trained} == {1, 2, 3, 4}
+
+
+@pytest.mark.timeout(300)
+async def test_groups_with_signal_are_never_filtered(nats_server, bus, pg_url, run_dir):
+    # A length penalty makes the two samples of a group score differently: nothing is uniform,
+    # so nothing is dropped as no_signal, and every trained group's rewards differ.
+    reward = {"shaping": {"generated_tokens_k": -0.1}}
+    groups, trained, _ = await _april_run(nats_server, bus, pg_url, run_dir, reward=reward, uniform_group_retries=4)
+    assert not [g for g in groups if g.reason == "no_signal"]
+    by_group = _rewards_by_group(trained)
+    assert by_group and all(len(r) == 2 for r in by_group.values()), by_group

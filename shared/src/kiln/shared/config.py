@@ -218,6 +218,14 @@ class AlgorithmSettings(Section):
     keeps a fragile policy from being pushed into degenerate text."""
     group_deadline_s: float = 600.0
     """A group not fully scored this long after dispatch is dropped (reason ``deadline``)."""
+    uniform_group_retries: int = Field(default=0, ge=0)
+    """Dynamic sampling (DAPO): per step, up to this many complete groups whose samples
+    all got the same reward (every advantage 0, nothing for the policy gradient) are
+    dropped (reason ``no_signal``) and replaced by fresh groups, so a batch is filled
+    with groups that carry signal; beyond that number they train as usual, so a policy
+    that fails everything still makes progress through its steps. 0: off. Each dropped
+    group costs a group's rollouts; ``no_signal`` drops do not count against
+    ``learner.max_dropped_groups``."""
 
     @property
     def april_overlaps(self) -> bool:

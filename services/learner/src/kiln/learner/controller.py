@@ -5,7 +5,7 @@ It dispatches groups, drops the ones that can no longer train, and ends the run.
 Invariants:
 - every dispatched group ends exactly once, as ``trained`` (with the version its step
   produced) or ``dropped`` with a reason (``stale``, ``infra_error``, ``deadline``,
-  ``run_finished``), or is still in flight; the row is written before the request is
+  ``run_finished``, ``no_signal``), or is still in flight; the row is written before the request is
   published and ended by a conditional update, so no group is lost or ended twice;
 - admission control bounds staleness (modes ``sync`` and ``async``): groups are
   dispatched only while ``dispatched <= min(steps, published_version + s + 1) *
@@ -48,6 +48,11 @@ from kiln.learner.config import LearnerConfig
 
 log = logging.getLogger("kiln.learner.controller")
 
+NO_SIGNAL = "no_signal"
+"""Drop reason of a complete group whose samples all scored alike (dynamic sampling,
+``algorithm.uniform_group_retries``): filtered on purpose, so not a failure that counts
+against ``learner.max_dropped_groups``."""
+
 
 def _utc(t: datetime) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)  # SQLite drops the zone
@@ -63,6 +68,8 @@ class Controller:
         self.published_version = -1
         self.dispatched = 0
         self.dropped = 0
+        self.filtered = 0
+        """Of ``dropped``, the ``no_signal`` ones."""
         self.dropped_since_step = 0
         self.trained = 0
         self.inflight: dict[str, c.RolloutRequest] = {}
@@ -103,6 +110,7 @@ class Controller:
         a = self.cfg.algorithm
         self.dispatched = len(groups)
         self.dropped = sum(g.status == "dropped" for g in groups)
+        self.filtered = sum(g.status == "dropped" and g.reason == NO_SIGNAL for g in groups)
         self.trained = sum(g.status == "trained" for g in groups)
         for g in groups:
             if g.status == "dispatched":
@@ -249,10 +257,10 @@ class Controller:
     async def drop(self, group_id: str, reason: str, detail: str = "") -> None:
         async with self._lock:
             await self._end(group_id, "dropped", reason=reason, detail=detail)
-        limit = self.cfg.learner.max_dropped_groups
-        if self.dropped > limit:
+        limit, failed = self.cfg.learner.max_dropped_groups, self.dropped - self.filtered
+        if failed > limit:
             await self.finish_run(
-                "failed", f"{self.dropped} groups dropped (limit {limit}); the last: {reason}: {detail}"[:2000]
+                "failed", f"{failed} groups dropped (limit {limit}); the last: {reason}: {detail}"[:2000]
             )
             return
         await self.refill()
@@ -308,6 +316,7 @@ class Controller:
         if status == "dropped":
             self.ctx.metrics.dropped.add(1, {"reason": reason or ""})
             self.dropped += 1
+            self.filtered += reason == NO_SIGNAL
             self.dropped_since_step += 1
             log.warning("dropped group %s: %s %s", group_id, reason, detail)
             await self.ctx.bus.publish(

@@ -8,7 +8,10 @@ Invariants:
   trajectories are excluded from its advantage statistics, and a group with no valid
   sample, or whose oldest generated token is more than ``max_staleness`` versions
   behind the version it would train (``sync``: 0), is dropped with that reason instead
-  of trained, so no stale group ever reaches a step;
+  of trained, so no stale group ever reaches a step; with
+  ``algorithm.uniform_group_retries`` up to that many complete groups per step whose
+  valid samples all scored alike (zero advantage) are dropped as ``no_signal`` and
+  replaced, and any beyond train as usual;
 - in ``april`` mode a full batch first tells rollout to suspend what it is generating;
 - the version a step produces is ``step + 1``; the trajectories it trained are stamped
   with it in the database (``trained_version``);
@@ -36,7 +39,7 @@ from kiln.shared.telemetry import extract_context
 from kiln.shared.weights.manifest import file_infos
 
 from kiln.learner.config import LearnerConfig
-from kiln.learner.controller import Controller
+from kiln.learner.controller import NO_SIGNAL, Controller
 from kiln.learner.grpo import group_advantages
 from kiln.learner.policy import Policy
 from kiln.learner.state import Checkpointer, Meta
@@ -54,6 +57,8 @@ class Trainer:
         self.step = 0
         self.pending: dict[str, dict[str, tuple[c.ScoredTrajectory, Delivery]]] = {}
         self.ready: list[str] = []
+        self.filtered_this_step = 0
+        """Groups dropped as ``no_signal`` since the last step (``algorithm.uniform_group_retries``)."""
         self.started = time.monotonic()
         self.idle_since = time.monotonic()
         self._lock = asyncio.Lock()  # scored messages, deadline expiry and steps never interleave
@@ -142,8 +147,17 @@ class Trainer:
         if not valid:
             await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
             return
-        if not await self._drop_if_stale(gid):
-            self.ready.append(gid)
+        if await self._drop_if_stale(gid):
+            return
+        rewards = {s.reward for s in valid}
+        a = self.cfg.algorithm
+        budget = a.uniform_group_retries if self.step < a.steps else 0  # after the last step nothing trains
+        if len(valid) > 1 and len(rewards) == 1 and self.filtered_this_step < budget:
+            # Every advantage of this group is 0: it would cost a slot of the batch and teach nothing.
+            self.filtered_this_step += 1
+            await self._drop(gid, NO_SIGNAL, f"all {len(valid)} samples scored {rewards.pop()}")
+            return
+        self.ready.append(gid)
 
     def _export(self, m: c.StepMetrics, staleness: list[int]) -> None:
         inst = self.ctx.metrics
@@ -260,6 +274,7 @@ class Trainer:
             stats.seconds, waited,
         )
         self.idle_since = time.monotonic()
+        self.filtered_this_step = 0
         for gid in list(self.ready):  # complete groups left for the next step have aged by one version
             if await self._drop_if_stale(gid):
                 self.ready.remove(gid)
