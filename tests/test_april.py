@@ -25,6 +25,17 @@ from harness import InProcessPlatform, experiment, wait_run_ended
 SIM = {"length_median": 40.0, "length_sigma": 1.2, "step_s": 0.02, "max_batch": 64, "load_s": 0.02}
 
 
+async def _dropped_log(bus, run_id: str) -> list[c.GroupDropped]:
+    sub = await bus.js.pull_subscribe(c.GROUP_DROPPED, stream=c.stream_for_subject(c.GROUP_DROPPED).name)
+    out = []
+    while True:
+        try:
+            msgs = await sub.fetch(100, timeout=1)
+        except Exception:  # nats' fetch raises a timeout once the stream is drained
+            return out
+        out += [m for m in (c.GroupDropped.from_bytes(x.data) for x in msgs) if m.run_id == run_id]
+
+
 async def _april_run(nats_server, bus, pg_url, run_dir, max_dropped_groups=100, reward=None, **algorithm):
     exp = experiment(
         run_dir, nats_server.url, pg_url,
@@ -113,6 +124,9 @@ async def test_uniform_groups_are_replaced_up_to_the_budget(nats_server, bus, pg
     assert len(filtered) == 2 * 4, [(g.group_id, g.reason) for g in groups if g.status == "dropped"]
     assert all(g.detail == "all 2 samples scored 0.0" for g in filtered)
     assert {t.trained_version for t in trained} == {1, 2, 3, 4}
+    # ...and each reached the dropped-log exactly once, as every drop must
+    logged = [m.group_id for m in await _dropped_log(bus, groups[0].run_id) if m.reason == "no_signal"]
+    assert sorted(logged) == sorted(g.group_id for g in filtered)
 
 
 @pytest.mark.timeout(300)

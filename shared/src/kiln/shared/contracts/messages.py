@@ -278,7 +278,8 @@ class WeightsPublished(Message):
 class GroupDropped(Message):
     run_id: str
     group_id: str
-    reason: Literal["stale", "infra_error", "deadline", "invalid", "run_finished"]
+    reason: Literal["stale", "infra_error", "deadline", "invalid", "run_finished", "no_signal"]
+    """``no_signal``: every sample of the group scored alike (``algorithm.uniform_group_retries``)."""
     detail: str = ""
 
 
