@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
-from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
+from kiln.shared.db import Database, Run, StepRecord, TaskGroup, TrajectoryRecord
 
 from harness import InProcessPlatform, experiment, wait_run_ended
 
@@ -127,6 +127,14 @@ async def test_uniform_groups_are_replaced_up_to_the_budget(nats_server, bus, pg
     # ...and each reached the dropped-log exactly once, as every drop must
     logged = [m.group_id for m in await _dropped_log(bus, groups[0].run_id) if m.reason == "no_signal"]
     assert sorted(logged) == sorted(g.group_id for g in filtered)
+    db = Database(pg_url)
+    try:
+        async with db.session() as s:
+            steps = (await s.scalars(select(StepRecord).where(StepRecord.run_id == groups[0].run_id))).all()
+    finally:
+        await db.close()
+    # each step's metrics count the groups dropped while its batch filled
+    assert sum(st.metrics["dropped_groups"] for st in steps) >= 2 * 4, [st.metrics["dropped_groups"] for st in steps]
 
 
 @pytest.mark.timeout(300)

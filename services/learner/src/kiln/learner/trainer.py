@@ -239,10 +239,10 @@ class Trainer:
                 attributes={"step": self.step - 1, "policy.version": version},
                 start_time=now_ns,
             ).end(end_time=now_ns)
+        dropped = self.controller.dropped_since_step  # read before mark_trained starts the next count
         await self.controller.mark_trained(groups, [s.trajectory.trajectory_id for s, _ in used], version)
         for _, d in used:
             await d.ack()
-        dropped = self.controller.dropped_since_step
         metrics = c.StepMetrics(
             run_id=self.cfg.run.id,
             step=self.step - 1,
