@@ -60,9 +60,13 @@ def _read_blocks(path: Path) -> np.ndarray:
     size = path.stat().st_size
     buf = np.empty(-(-size // BLOCK) * BLOCK, np.uint8)
     buf[size:] = 0
-    with path.open("rb") as f:
-        if f.readinto(memoryview(buf)[:size]) != size:
-            raise ValueError(f"{path} changed size while it was read")
+    view, done = memoryview(buf), 0
+    with path.open("rb", buffering=0) as f:
+        while done < size:  # one read returns at most ~2 GiB on Linux
+            n = f.readinto(view[done:size])
+            if not n:
+                raise ValueError(f"{path} changed size while it was read")
+            done += n
     return buf
 
 
