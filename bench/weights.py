@@ -162,7 +162,6 @@ def one_step_deltas() -> list[str]:
     from kiln.shared.contracts import Trajectory, TrajectoryStatus
     from kiln.shared.model.checkpoint import to_hf_state_dict
     from kiln.shared.tasks import load_suite
-    from kiln.shared.weights.delta import make_delta
 
     rows = []
     for lr in (1e-3, 1e-5, 1e-6):
@@ -179,17 +178,28 @@ def one_step_deltas() -> list[str]:
             )  # fmt: skip
 
         batch = [(traj(i), random.choice([-0.5, 0.5])) for i in range(8)]
-        d = Path(tempfile.mkdtemp(prefix="kiln-bench-step-"))
         before = {k: v.clone() for k, v in to_hf_state_dict(pol.model).items()}
         pol.train_step(batch)
-        after = to_hf_state_dict(pol.model)
+        rows += delta_rows(f"{lr:g}", before, to_hf_state_dict(pol.model))
+    return rows
+
+
+def delta_rows(label: str, before: dict, after: dict) -> list[str]:
+    """Table rows: bytes of the delta from ``before`` to ``after`` (state dicts), stored in
+    fp32 and in bf16."""
+    from kiln.shared.weights.delta import make_delta
+
+    rows = []
+    d = Path(tempfile.mkdtemp(prefix="kiln-bench-delta-"))
+    try:
         for dtype in (torch.float32, torch.bfloat16):
             for name, sd in (("a", before), ("b", after)):
                 (d / f"{name}{dtype}").mkdir()
-                save_file({k: v.to(dtype) for k, v in sd.items()}, str(d / f"{name}{dtype}" / "model.safetensors"))
+                save_file({k: v.to(dtype).contiguous() for k, v in sd.items()}, str(d / f"{name}{dtype}" / "model.safetensors"))
             full = (d / f"b{dtype}" / "model.safetensors").stat().st_size
             blob = make_delta(d / f"a{dtype}", d / f"b{dtype}", ["model.safetensors"], base_version=0)
-            rows.append(f"| {lr:g} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |")
+            rows.append(f"| {label} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |")
+    finally:
         shutil.rmtree(d, ignore_errors=True)
     return rows
 
@@ -200,8 +210,6 @@ def run_deltas(run_dir: Path, every: int) -> list[str]:
     cast to bf16 (what an engine serving bf16 would be sent)."""
     from safetensors.torch import load_file
 
-    from kiln.shared.weights.delta import make_delta
-
     stores = [p for p in (run_dir / "weights").iterdir() if p.is_dir()]
     if len(stores) != 1:
         raise SystemExit(f"expected one run's versions under {run_dir / 'weights'}, found {stores}")
@@ -210,16 +218,8 @@ def run_deltas(run_dir: Path, every: int) -> list[str]:
     for v in versions[1::every]:
         if v - 1 not in versions:
             continue
-        d = Path(tempfile.mkdtemp(prefix="kiln-bench-run-"))
-        pair = {n: load_file(str(stores[0] / f"v{u:06d}" / "model.safetensors")) for n, u in (("a", v - 1), ("b", v))}
-        for dtype in (torch.float32, torch.bfloat16):
-            for n, sd in pair.items():
-                (d / f"{n}{dtype}").mkdir()
-                save_file({k: t.to(dtype).contiguous() for k, t in sd.items()}, str(d / f"{n}{dtype}" / "model.safetensors"))
-            full = (d / f"b{dtype}" / "model.safetensors").stat().st_size
-            blob = make_delta(d / f"a{dtype}", d / f"b{dtype}", ["model.safetensors"], base_version=v - 1)
-            rows.append(f"| v{v - 1} -> v{v} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |")
-        shutil.rmtree(d, ignore_errors=True)
+        a, b = (load_file(str(stores[0] / f"v{u:06d}" / "model.safetensors")) for u in (v - 1, v))
+        rows += delta_rows(f"v{v - 1} -> v{v}", a, b)
     return rows
 
 
