@@ -8,8 +8,10 @@ the two file tools executed in memory as env-pool executes them. A held-out epis
 passes when the final workspace equals the task's reference solution (for the
 ``constants`` family that is exactly "the tests pass").
 
-Reported per stage: SFT loss, greedy pass rate, and the pass rate of temperature-1
-samples (what GRPO's groups see: with none passing there is no signal to learn from).
+Reported per stage: SFT loss, greedy pass rate, and the pass rate of samples at
+``--temperature`` (what GRPO's groups see: with none passing there is no signal to learn
+from), each overall and on the tasks whose target is not the file's first assignment
+(those an imperfect demonstrator, ``learner.sft_wrong_target_rate``, gets wrong).
 
     .venv/bin/python bench/warm_start.py --config configs/tiny.toml --seeds 0 1 2 --stages 300 400 500 600 [--stop]
 """
@@ -27,7 +29,7 @@ from opentelemetry import trace
 
 from kiln.learner.config import LearnerConfig
 from kiln.learner.policy import Policy
-from kiln.learner.sft import warm_start
+from kiln.learner.sft import warm_start, wrong_target_edit
 from kiln.rollout.agent import EpisodeSpec, run_episode
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.engine import TorchEngine
@@ -85,13 +87,18 @@ async def episode(task: Task, engine, tok, rcfg: RolloutConfig, temperature: flo
     return all(env.files.get(p) == text for p, text in (task.solution or {}).items())
 
 
-async def evaluate(model, tok, tasks, rcfg, samples: int, tools) -> tuple[float, float]:
+async def evaluate(model, tok, tasks, rcfg, samples: int, tools, temperature: float = 1.0) -> tuple[float, float, float, float]:
+    """Greedy and sampled pass rates, overall and on the tasks an imperfect demonstrator
+    (``learner.sft_wrong_target_rate``) gets wrong."""
     engine = TorchEngine(threads=torch.get_num_threads())
     engine.model, engine.version = model.eval(), 0
     greedy = [await episode(t, engine, tok, rcfg, 0.0, 0, tools) for t in tasks]
-    sampled = [await episode(t, engine, tok, rcfg, 1.0, s, tools) for t in tasks for s in range(samples)]
+    sampled = [await episode(t, engine, tok, rcfg, temperature, s, tools) for t in tasks for s in range(samples)]
     model.train()
-    return sum(greedy) / len(greedy), (sum(sampled) / len(sampled) if sampled else float("nan"))
+    lazy = [wrong_target_edit(t) is not None for t in tasks]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return (mean(greedy), mean(sampled), mean([g for g, w in zip(greedy, lazy) if w]),
+            mean([p for i, p in enumerate(sampled) if lazy[i // samples]]))  # fmt: skip
 
 
 def main() -> None:
@@ -101,7 +108,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--stages", type=int, nargs="+", default=[300, 400, 500, 600], help="cumulative SFT steps at which to evaluate")
     ap.add_argument("--eval-tasks", type=int, default=48, help="held-out tasks evaluated per stage")
-    ap.add_argument("--samples", type=int, default=2, help="temperature-1 episodes per task per stage")
+    ap.add_argument("--samples", type=int, default=2, help="sampled episodes per task per stage")
+    ap.add_argument("--temperature", type=float, default=1.0, help="of the sampled episodes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stop", action="store_true", help="end where the run would (learner.sft_stop_match) and evaluate there too")
     args = ap.parse_args()
@@ -121,8 +129,10 @@ def main() -> None:
             if done not in args.stages:
                 return
             sft_s = time.monotonic() - t0
-            g, s = asyncio.run(evaluate(policy.model, policy.tokenizer, heldout, rcfg, args.samples, lcfg.tasks.tools))
-            row = dict(seed=seed, steps=done, loss=statistics.mean(losses[-20:]), greedy=g, sampled=s, sft_s=round(sft_s, 1))
+            g, s, g2, s2 = asyncio.run(evaluate(policy.model, policy.tokenizer, heldout, rcfg, args.samples, lcfg.tasks.tools,
+                                                args.temperature))  # fmt: skip
+            row = dict(seed=seed, steps=done, loss=statistics.mean(losses[-20:]), greedy=g, sampled=s, greedy_second=g2,
+                       sampled_second=s2, sft_s=round(sft_s, 1))  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
             t0 = time.monotonic()
@@ -131,15 +141,16 @@ def main() -> None:
         # optimizer), evaluated along the way.
         losses = warm_start(policy.model, policy.tokenizer, train, steps=max(args.stages), lr=lcfg.learner.sft_lr,
                             batch=lcfg.learner.sft_batch, seed=seed, tools=lcfg.tasks.tools,
-                            stop_match=lcfg.learner.sft_stop_match if args.stop else 0.0, on_step=on_step)  # fmt: skip
+                            stop_match=lcfg.learner.sft_stop_match if args.stop else 0.0,
+                            wrong_target_rate=lcfg.learner.sft_wrong_target_rate, on_step=on_step)  # fmt: skip
         if len(losses) not in args.stages:  # where learner.sft_stop_match ended it
             args.stages.append(len(losses))
             on_step(len(losses), losses)
             args.stages.pop()
-    print("| seed | SFT steps | loss (last 20) | held-out greedy | held-out sampled (T=1) |")
-    print("|---|---|---|---|---|")
+    print(f"| seed | SFT steps | loss (last 20) | held-out greedy | sampled (T = {args.temperature:g}) | greedy, target not first | sampled, target not first |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seed']} | {r['steps']} | {r['loss']:.3f} | {r['greedy']:.0%} | {r['sampled']:.0%} |")
+        print(f"| {r['seed']} | {r['steps']} | {r['loss']:.3f} | {r['greedy']:.0%} | {r['sampled']:.0%} | {r['greedy_second']:.0%} | {r['sampled_second']:.0%} |")
 
 
 if __name__ == "__main__":

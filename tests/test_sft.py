@@ -17,9 +17,10 @@ from kiln.shared import contracts as c
 from kiln.shared.model import MoEConfig, MoEForCausalLM
 from kiln.shared.model.tokenizer import special_id, train_tokenizer
 from kiln.shared.tasks import load_suite
+from kiln.shared.tasks.report import parse_test_report
 
 from kiln.learner.policy import tokenizer_corpus
-from kiln.learner.sft import demonstration, encode, expert_edit, warm_start
+from kiln.learner.sft import demonstration, encode, expert_edit, warm_start, wrong_target_edit
 from kiln.rollout.agent import EpisodeSpec, run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine, TorchEngine
@@ -34,6 +35,24 @@ def test_expert_edit_turns_every_builtin_task_into_its_solution():
         path, old, new = expert_edit(t)
         assert t.files[path].count(old) == 1
         assert t.files[path].replace(old, new) == t.solution[path], t.id
+
+
+CONSTANTS = load_suite("constants")
+SECOND = next(t for t in CONSTANTS.split("train") if t.metadata["target_line"] == 2)
+
+
+def test_wrong_target_edit_rewrites_the_first_assignment_only_where_it_is_not_the_target():
+    for t in CONSTANTS.tasks:
+        path, old, new = expert_edit(t)
+        first = t.files[path].splitlines(keepends=True)[0]
+        wrong = wrong_target_edit(t)
+        if t.metadata["target_line"] == 1:
+            assert wrong is None, t.id
+        else:
+            name = first.split(" = ")[0]
+            assert wrong == (path, first, f"{name} = {t.metadata['new']}\n"), t.id
+    # Fixes that are not one assignment have no lazy variant.
+    assert all(wrong_target_edit(t) is None or expert_edit(t)[1].count("\n") == 1 for t in SUITE.tasks)
 
 
 class Replay(InferenceEngine):
@@ -68,6 +87,36 @@ async def test_demonstration_is_what_the_agent_loop_builds(envpool, tools):
     assert traj.token_ids == ids and traj.loss_mask == mask
     r = await envpool.exec(traj.sandbox, task.test_command, 30)
     assert r.exit_code == 0, r.stdout + r.stderr  # the expert episode solves the task
+
+
+@pytest.fixture
+async def constants_envpool(nats_server, bus, run_dir):
+    """A real env-pool service whose sandboxes come from the ``constants`` suite."""
+    from harness import InProcessPlatform, experiment
+
+    from kiln.shared.envpool_client import EnvPoolClient
+
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://", tasks={"suite": "constants"}))
+    await p.start("env-pool")
+    yield EnvPoolClient(bus)
+    await p.stop_all()
+
+
+async def test_the_wrong_target_demonstration_fails_the_tasks_tests(constants_envpool):
+    """The imperfect demonstrator's episode runs as the agent loop would run it, and the
+    reward it would get is 0: the tests reveal the habit (both the target's test and the
+    other constant's, which it changed, fail)."""
+    tools = ("read_file", "edit_file")
+    turns = demonstration(SECOND, wrong_target_edit(SECOND))
+    req = c.RolloutRequest(run_id="r", group_id="g", task_id=SECOND.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60)
+    spec = EpisodeSpec(request=req, sample_index=0, task=SECOND, worker_id="w", seed=0, temperature=1.0, tools=tools)
+    traj = await run_episode(spec, Replay([t for t, _ in turns]), TOK, constants_envpool, RolloutSettings(max_turns=4), trace.get_tracer("t"))
+    assert traj.status == c.TrajectoryStatus.FINISHED, (traj.status, traj.finish_reason, traj.messages)
+    assert [m.content for m in traj.messages if m.role == "tool"] == [obs for _, obs in turns if obs]
+    assert (traj.token_ids, traj.loss_mask) == encode(SECOND, turns, TOK, tools)
+    r = await constants_envpool.exec(traj.sandbox, SECOND.test_command, 30)
+    report = parse_test_report(r.stdout + r.stderr)
+    assert {report[t] for t in SECOND.fail_to_pass + SECOND.pass_to_pass} == {c.CaseStatus.FAILED}, r.stdout + r.stderr
 
 
 def test_warm_start_refuses_a_tool_set_without_the_demonstrated_tools():
@@ -118,3 +167,23 @@ def test_warm_start_stops_once_greedy_decoding_writes_the_demonstrations():
     engine.model, engine.version = model.eval(), 0
     gen = asyncio.run(engine.generate(prompt, 96, {special_id(TOK, chat.EOS)}, 0.0, 0))
     assert TOK.decode(gen.token_ids[:-1], skip_special_tokens=False) == turns[0][0]
+
+
+@pytest.mark.timeout(300)
+def test_warm_start_imitates_the_imperfect_demonstrator_at_its_rate():
+    """``wrong_target_rate = 1``: every demonstration of a task whose target is not the
+    first assignment is the lazy one, so the policy learns to edit the first assignment."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(vocab_size=TOK.get_vocab_size(), eos_token_id=special_id(TOK, chat.EOS), hidden_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                    moe_intermediate_size=32)  # fmt: skip
+    model = MoEForCausalLM(cfg).init_weights(0)
+    tools = ("read_file", "edit_file")
+    losses = warm_start(model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, wrong_target_rate=1.0)
+    assert len(losses) < 600
+    wrong = demonstration(SECOND, wrong_target_edit(SECOND))
+    prompt, _ = encode(SECOND, wrong[:1], TOK, tools)
+    engine = TorchEngine(1)
+    engine.model, engine.version = model.eval(), 0
+    gen = asyncio.run(engine.generate(prompt, 96, {special_id(TOK, chat.EOS)}, 0.0, 0))
+    assert TOK.decode(gen.token_ids[:-1], skip_special_tokens=False) == wrong[1][0]

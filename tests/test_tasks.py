@@ -96,6 +96,10 @@ def test_constants_suite_is_deterministic_and_its_splits_disjoint():
     m = t.metadata
     assert f"`{m['constant']}` in `{m['module']}` is {m['old']} but must be {m['new']}" in t.problem_statement
     assert f"{m['constant']} = {m['old']}\n" in t.files[m["module"]]
+    for t in CONSTANTS.tasks:
+        m = t.metadata
+        assert t.files[m["module"]].splitlines()[m["target_line"] - 1] == f"{m['constant']} = {m['old']}"
+    assert {t.metadata["target_line"] for t in CONSTANTS.split("heldout")} == {1, 2}
 
 
 @pytest.mark.parametrize("task", CONSTANTS.tasks[:3] + CONSTANTS.split("heldout")[:3], ids=lambda t: t.id)

@@ -75,6 +75,13 @@ class LearnerSettings(Section):
     decoding writes it); 0: run every step. Where imitation ends decides what RL starts
     from, and the step at which a small policy learns to copy from its prompt is abrupt
     and varies with the seed."""
+    sft_wrong_target_rate: float = Field(default=0.0, ge=0, le=1)
+    """An imperfect demonstrator: the fraction of the warm start's demonstrations of a fix
+    to one assignment (``NAME = value``) that rewrite the file's first assignment instead,
+    with the fix's value (identical where the named assignment is the first). The
+    warm-started policy learns the skill and this habit; the tests reveal the habit, and
+    RL from their rewards unlearns it, as it does the mistakes of SFT data from weaker
+    models. 0: every demonstration is the reference fix."""
     sft_lr: float = 3e-3
     """Learning rate of the warm start."""
     sft_batch: int = Field(default=8, ge=1)

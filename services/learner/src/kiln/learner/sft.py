@@ -8,6 +8,14 @@ solution (the first block of lines where ``solution`` differs from ``files``), a
 observations are what env-pool's tools answer (``read_file``: the file's text,
 ``edit_file``: ``edited <path>``).
 
+The demonstrator can be imperfect, as SFT data from a weaker model or a heuristic is
+(``learner.sft_wrong_target_rate``): in that fraction of the demonstrations of a fix that
+rewrites one assignment (``NAME = value``), it rewrites the file's first assignment
+instead, with the fix's value (a lazy expert that edits the first constant it sees).
+Where the named assignment is the first one the two coincide. The warm-started policy
+then has the skill and a habit the task's tests reveal, which is what RL from verified
+rewards is for (docs/benchmarks.md).
+
 Invariants: a demonstration is tokenized exactly as the agent loop builds its sequence
 (``kiln.shared.chat`` rendering, assistant turns closed the same way), and only the
 assistant's tokens are trained (the prompt and observations have mask 0); only tasks of
@@ -21,6 +29,7 @@ from collections.abc import Callable, Sequence
 import json
 import logging
 import random
+import re
 import time
 
 import torch
@@ -57,9 +66,29 @@ def expert_edit(task: Task) -> tuple[str, str, str] | None:
     return None
 
 
-def demonstration(task: Task) -> list[tuple[str, str]] | None:
-    """The expert episode as (assistant text, observation) turns; the last has no observation."""
+_ASSIGNMENT = re.compile(r"^([A-Za-z_]\w*) = (.*)\n$")
+
+
+def wrong_target_edit(task: Task) -> tuple[str, str, str] | None:
+    """(path, old, new): the lazy demonstrator's edit, the file's first assignment set to the
+    fix's value; None where the fix is not one assignment or the first one is the target."""
     edit = expert_edit(task)
+    if edit is None:
+        return None
+    path, old, new = edit
+    target, fixed = _ASSIGNMENT.match(old), _ASSIGNMENT.match(new)
+    if target is None or fixed is None or target[1] != fixed[1]:
+        return None
+    first = next((m for line in task.files[path].splitlines(keepends=True) if (m := _ASSIGNMENT.match(line))), None)
+    if first is None or first[0] == old or task.files[path].count(first[0]) != 1:
+        return None
+    return path, first[0], f"{first[1]} = {fixed[2]}\n"
+
+
+def demonstration(task: Task, edit: tuple[str, str, str] | None = None) -> list[tuple[str, str]] | None:
+    """The expert episode (or one making ``edit`` instead) as (assistant text, observation)
+    turns; the last has no observation."""
+    edit = edit or expert_edit(task)
     if edit is None:
         return None
     path, old, new = edit
@@ -89,7 +118,7 @@ def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequ
 
 def warm_start(
     model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int, tools: Sequence[str] = (),
-    stop_match: float = 0.0, on_step: Callable[[int, list[float]], None] | None = None,
+    stop_match: float = 0.0, wrong_target_rate: float = 0.0, on_step: Callable[[int, list[float]], None] | None = None,
 ) -> list[float]:
     """``steps`` AdamW steps of next-token cross-entropy on the demonstrations' assistant
     tokens (a fresh optimizer: RL starts with its own), with the system prompt offering
@@ -99,12 +128,18 @@ def warm_start(
     writes the demonstration. That, not the step count or the mean loss, says how far
     imitation got (a small policy learns to copy names and values from its prompt
     abruptly, at a step that varies with the seed and architecture: docs/benchmarks.md).
+    With ``wrong_target_rate``, each demonstration drawn of a task the lazy demonstrator
+    gets wrong (``wrong_target_edit``) is its wrong edit with that probability.
     ``on_step(steps_done, losses)`` is called after every step (``bench/warm_start.py``
     evaluates the policy along the way). Returns the loss per step."""
     missing = [n for n in DEMONSTRATED_TOOLS if n not in offered(tools)]
     if missing:
         raise ValueError(f"the warm start demonstrates {', '.join(DEMONSTRATED_TOOLS)} but tasks.tools does not offer {', '.join(missing)}")
-    data = [encode(t, d, tok, tools) for t in tasks if (d := demonstration(t)) is not None]
+    data = [
+        (encode(t, d, tok, tools), encode(t, demonstration(t, w), tok, tools) if wrong_target_rate and (w := wrong_target_edit(t)) else None)
+        for t in tasks
+        if (d := demonstration(t)) is not None
+    ]
     if not data:
         raise ValueError("no task of the training split has a reference solution to demonstrate")
     rng = random.Random(seed)
@@ -116,7 +151,10 @@ def warm_start(
     t0 = time.monotonic()
     model.train()
     for step in range(steps):
-        rows = [data[rng.randrange(len(data))] for _ in range(batch)]
+        rows = []
+        for _ in range(batch):
+            expert, wrong = data[rng.randrange(len(data))]
+            rows.append(wrong if wrong is not None and rng.random() < wrong_target_rate else expert)
         n = max(len(ids) for ids, _ in rows)
         n = -(-n // 32) * 32  # MX blocks run along the token dimension
         ids = torch.full((batch, n), pad, dtype=torch.long)

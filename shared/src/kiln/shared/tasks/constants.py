@@ -71,5 +71,6 @@ def _task(index: int, split: str, module: str, target: str, old: int, new: int, 
         split=split,
         solution={f"{module}.py": fixed},
         timeout_s=30.0,
-        metadata={"family": "constants", "module": f"{module}.py", "constant": target, "old": old, "new": new},
+        metadata={"family": "constants", "module": f"{module}.py", "constant": target, "old": old, "new": new,
+                  "target_line": 2 if index % 2 else 1},
     )
