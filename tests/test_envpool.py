@@ -312,6 +312,29 @@ async def test_two_env_pool_processes_share_load(envpool, bus, run_dir):
     assert other.returncode == 0, (run_dir / "proc-node.log").read_text()[-2000:]
 
 
+async def test_a_sandbox_whose_node_files_vanished_is_an_error_not_a_result(envpool, bus):
+    """bwrap binds this node's identity files into every sandbox; removed under a running
+    node, bwrap would exit before the command and a reward harness would read that as the
+    tests failing. The node answers ``sandbox_broken`` instead (reward: ``infra_error``)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    roots = [Path(b) / f"node-a-{os.getpid()}" for b in ("/dev/shm/kiln-envpool", Path(tempfile.gettempdir()) / "kiln-envpool")]
+    passwd = next(r for r in roots if r.is_dir()) / "etc" / "passwd"
+    saved = passwd.read_bytes()
+    passwd.unlink()
+    try:
+        with pytest.raises(RemoteError) as e:
+            await pool.exec(ref, "true", 5)
+        assert e.value.code == "sandbox_broken" and str(passwd) in str(e.value)
+    finally:
+        passwd.write_bytes(saved)
+    assert (await pool.exec(ref, "echo ok", 5)).stdout.strip() == "ok"
+
+
 async def test_diff_against_the_task(envpool, bus):
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")

@@ -188,31 +188,37 @@ async def test_every_file_tool_refuses_escapes(node):
     assert "etc_link@" in res["ls"].output and "pw_link@" in res["ls"].output
 
 
-def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
-    """Two env-pools named alike on one host (two local runs, a test beside a run): one's
-    shutdown must not remove the other's cgroups and kill its sandboxes."""
+def other_env_pool(script: str, ready: Path):
+    """A second process that runs ``script`` (which writes what it made to ``ready``), once
+    ``ready`` has it: (the process, the lines it wrote)."""
     import subprocess
     import sys
 
+    child = subprocess.Popen([sys.executable, "-c", script + "\nimport time\ntime.sleep(60)\n"])
+    for _ in range(200):
+        if ready.exists() and ready.read_text():
+            break
+        time.sleep(0.05)
+    return child, ready.read_text().splitlines()
+
+
+def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
+    """Two env-pools named alike on one host (two local runs, a test beside a run): one's
+    shutdown must not remove the other's cgroups and kill its sandboxes."""
     from kiln.envpool.cgroups import CgroupManager
 
     mine = CgroupManager("same-node")
     if mine.mode == "none":
         pytest.skip(f"no writable cgroup hierarchy here: {mine.reason}")
     ready = tmp_path / "ready"
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import pathlib, sys, time\n"
+    child, lines = other_env_pool((
+        "import pathlib\n"
         "from kiln.envpool.cgroups import CgroupManager\n"
         "m = CgroupManager('same-node'); m.create('sb-other', memory_bytes=1 << 28, pids=64)\n"
         f"pathlib.Path({str(ready)!r}).write_text('\\n'.join(map(str, m.parents)))\n"
-        "time.sleep(60)\n"
-    )])  # fmt: skip
+    ), ready)  # fmt: skip
     try:
-        for _ in range(200):
-            if ready.exists() and ready.read_text():
-                break
-            time.sleep(0.05)
-        theirs = [Path(p) for p in ready.read_text().splitlines()]
+        theirs = [Path(p) for p in lines]
         assert theirs and set(theirs).isdisjoint(mine.parents)
         mine.create("sb-mine", memory_bytes=1 << 28, pids=64)
         mine.close()
@@ -223,3 +229,36 @@ def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
     # The dead one's groups are reaped by the next env-pool that starts.
     CgroupManager("another-node").close()
     assert not any(p.exists() for p in theirs)
+
+
+def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
+    """The same for the workspace folder: one's shutdown removes its own folder (with the
+    bwrap identity files every sandbox binds), never another's; a dead one's is reaped."""
+    import shutil
+
+    from kiln.envpool.config import EnvPoolSettings
+    from kiln.envpool.main import workspace_root
+
+    node = f"same-node-{tmp_path.name[-8:]}"
+    ready = tmp_path / "ready"
+    child, lines = other_env_pool((
+        "import pathlib\n"
+        "from kiln.envpool.config import EnvPoolSettings\n"
+        "from kiln.envpool.main import workspace_root\n"
+        f"root = workspace_root(EnvPoolSettings(), '', {node!r}); (root / 'etc').mkdir(parents=True)\n"
+        "(root / 'etc' / 'passwd').write_text('x')\n"
+        f"pathlib.Path({str(ready)!r}).write_text(str(root))\n"
+    ), ready)  # fmt: skip
+    try:
+        theirs = Path(lines[0])
+        mine = workspace_root(EnvPoolSettings(), "", node)
+        assert mine != theirs and mine.parent == theirs.parent
+        mine.mkdir()
+        shutil.rmtree(mine)  # what ``SandboxPool.close`` does
+        assert (theirs / "etc" / "passwd").is_file(), "one env-pool's shutdown removed another's files"
+        assert workspace_root(EnvPoolSettings(), "", node) == mine and theirs.is_dir(), "a live env-pool's folder was reaped"
+    finally:
+        child.kill()
+        child.wait()
+    workspace_root(EnvPoolSettings(), "", node)
+    assert not theirs.exists(), "the dead env-pool's folder was not reaped"

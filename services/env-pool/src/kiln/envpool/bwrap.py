@@ -18,6 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
+from kiln.shared.bus import ServiceError
 from kiln.shared.contracts import ExecResult
 
 from kiln.envpool.launcher import Launcher
@@ -97,6 +98,13 @@ class BwrapSandbox(Sandbox):
         ]  # fmt: skip
 
     async def run(self, argv: list[str], timeout_s: float) -> ExecResult:
+        # bwrap exits before the command starts when a path it binds is gone (this node's
+        # files removed under it): a broken node, not the command's result, so it must not
+        # reach a caller (a reward harness) as a failing command.
+        binds = [self.system[i + 1] for i, a in enumerate(self.system) if a == "--ro-bind"]
+        missing = [p for p in [*binds, str(self.workspace)] if not os.path.exists(p)]
+        if missing:
+            raise ServiceError(f"sandbox {self.id} cannot start: {', '.join(missing)} no longer exist on this node", "sandbox_broken")
         return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={})
 
 

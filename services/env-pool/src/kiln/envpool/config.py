@@ -20,7 +20,9 @@ class EnvPoolSettings(Section):
     rlimits and a timeout, NO isolation; for development only (logged loudly)."""
     workspace_root: str = ""
     """Where workspaces live; empty = ``/dev/shm/kiln-envpool`` (tmpfs: fast, and charged to each
-    sandbox's memory cgroup, which bounds its disk use) when usable, else the system temp dir."""
+    sandbox's memory cgroup, which bounds its disk use) when usable, else the system temp dir.
+    Each env-pool process works in its own ``<node id>-<pid>`` folder under it and removes it
+    when it stops."""
     max_sandboxes: int = Field(default=1024, ge=0)
     """Sandboxes (leased + warm + being created) this node holds at once; beyond it ``create``
     fails at once with ``pool_exhausted``."""

@@ -13,6 +13,7 @@ import asyncio
 import io
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -41,17 +42,30 @@ log = logging.getLogger("kiln.envpool")
 
 
 def workspace_root(s: EnvPoolSettings, run_dir: str, node_id: str) -> Path:
+    """This process's own folder: ``<base>/<node id>-<pid>``. Two env-pools with one node id
+    on a host (two local runs, a test beside a run) must never share it, since ``close``
+    removes it with every workspace in it (measured: a test's env-pool removed a run's
+    bwrap identity files, and every later test command failed to start). Folders of
+    env-pools that died without ``close`` are removed here, under the host-local defaults
+    only: a configured ``workspace_root`` may be shared by hosts whose pids mean nothing here."""
+    local = not s.workspace_root
     if s.workspace_root:
         base = Path(s.workspace_root)
     elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         base = Path("/dev/shm/kiln-envpool")
     elif run_dir:
-        base = Path(run_dir) / "sandboxes"
+        base, local = Path(run_dir) / "sandboxes", False
     else:
         base = Path(tempfile.gettempdir()) / "kiln-envpool"
     base.mkdir(parents=True, exist_ok=True)
     os.chmod(base, 0o711)
-    return base / node_id
+    if local:
+        for old in base.glob(f"{node_id}-*"):
+            pid = old.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(old, ignore_errors=True)
+                log.info("removed the workspaces of a dead env-pool: %s", old)
+    return base / f"{node_id}-{os.getpid()}"
 
 
 async def sandbox_factory(s: EnvPoolSettings, root: Path, launcher: Launcher):
