@@ -142,7 +142,8 @@ def main() -> None:
         losses = warm_start(policy.model, policy.tokenizer, train, steps=max(args.stages), lr=lcfg.learner.sft_lr,
                             batch=lcfg.learner.sft_batch, seed=seed, tools=lcfg.tasks.tools,
                             stop_match=lcfg.learner.sft_stop_match if args.stop else 0.0,
-                            wrong_target_rate=lcfg.learner.sft_wrong_target_rate, on_step=on_step)  # fmt: skip
+                            wrong_target_rate=lcfg.learner.sft_wrong_target_rate,
+                            prose_fix_rate=lcfg.learner.sft_prose_fix_rate, on_step=on_step)  # fmt: skip
         if len(losses) not in args.stages:  # where learner.sft_stop_match ended it
             args.stages.append(len(losses))
             on_step(len(losses), losses)

@@ -20,7 +20,7 @@ from kiln.shared.tasks import load_suite
 from kiln.shared.tasks.report import parse_test_report
 
 from kiln.learner.policy import tokenizer_corpus
-from kiln.learner.sft import demonstration, encode, expert_edit, warm_start, wrong_target_edit
+from kiln.learner.sft import demonstration, encode, expert_edit, prose_fix_demonstration, warm_start, wrong_target_edit
 from kiln.rollout.agent import EpisodeSpec, run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine, TorchEngine
@@ -119,6 +119,23 @@ async def test_the_wrong_target_demonstration_fails_the_tasks_tests(constants_en
     assert {report[t] for t in SECOND.fail_to_pass + SECOND.pass_to_pass} == {c.CaseStatus.FAILED}, r.stdout + r.stderr
 
 
+async def test_the_prose_fix_demonstration_fails_the_tasks_tests(constants_envpool):
+    """The demonstrator that tells instead of doing reads the module and answers with the
+    expert's fix in words: the agent loop ends the episode there, and the tests fail."""
+    tools = ("read_file", "edit_file")
+    turns = prose_fix_demonstration(SECOND)
+    _, old, new = expert_edit(SECOND)
+    assert turns[0] == demonstration(SECOND)[0] and old.strip() in turns[-1][0] and new.strip() in turns[-1][0]
+    req = c.RolloutRequest(run_id="r", group_id="g", task_id=SECOND.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60)
+    spec = EpisodeSpec(request=req, sample_index=0, task=SECOND, worker_id="w", seed=0, temperature=1.0, tools=tools)
+    traj = await run_episode(spec, Replay([t for t, _ in turns]), TOK, constants_envpool, RolloutSettings(max_turns=4), trace.get_tracer("t"))
+    assert traj.status == c.TrajectoryStatus.FINISHED and traj.finish_reason == "no_tool_call", (traj.status, traj.finish_reason)
+    assert (traj.token_ids, traj.loss_mask) == encode(SECOND, turns, TOK, tools)
+    r = await constants_envpool.exec(traj.sandbox, SECOND.test_command, 30)
+    report = parse_test_report(r.stdout + r.stderr)
+    assert {report[t] for t in SECOND.fail_to_pass} == {c.CaseStatus.FAILED}, r.stdout + r.stderr
+
+
 def test_warm_start_refuses_a_tool_set_without_the_demonstrated_tools():
     model = MoEForCausalLM(MoEConfig(vocab_size=TOK.get_vocab_size(), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8))  # fmt: skip
@@ -149,41 +166,55 @@ def test_warm_start_teaches_a_fresh_policy_the_tool_format():
     assert calls and calls[0].name == "read_file" and calls[0].arguments.get("path") in modules, TOK.decode(gen.token_ids)
 
 
-@pytest.mark.timeout(300)
-def test_warm_start_stops_once_greedy_decoding_writes_the_demonstrations():
-    """``stop_match``: the warm start ends when that fraction of its recent demonstrations
-    is reproduced token for token by argmax; greedy decoding then writes the expert's turn."""
+def small_policy() -> MoEForCausalLM:
     torch.manual_seed(0)
     cfg = MoEConfig(vocab_size=TOK.get_vocab_size(), eos_token_id=special_id(TOK, chat.EOS), hidden_size=32, num_hidden_layers=1,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
                     moe_intermediate_size=32)  # fmt: skip
-    model = MoEForCausalLM(cfg).init_weights(0)
-    task, tools = SUITE.split("train")[0], ("read_file", "edit_file")
-    losses = warm_start(model, TOK, [task], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0)
-    assert len(losses) < 600, "one demonstration should be learned by heart long before 600 steps"
-    turns = demonstration(task)
-    prompt, _ = encode(task, [], TOK, tools)
+    return MoEForCausalLM(cfg).init_weights(0)
+
+
+def greedy_turn(model: MoEForCausalLM, task, turns, tools) -> str:
+    """What greedy decoding writes after ``turns`` of ``task``'s episode."""
+    prompt, _ = encode(task, turns, TOK, tools)
     engine = TorchEngine(1)
     engine.model, engine.version = model.eval(), 0
     gen = asyncio.run(engine.generate(prompt, 96, {special_id(TOK, chat.EOS)}, 0.0, 0))
-    assert TOK.decode(gen.token_ids[:-1], skip_special_tokens=False) == turns[0][0]
+    return TOK.decode(gen.token_ids[:-1], skip_special_tokens=False)
+
+
+@pytest.mark.timeout(300)
+def test_warm_start_stops_once_greedy_decoding_writes_the_demonstrations():
+    """``stop_match``: the warm start ends when that fraction of its recent demonstrations
+    is reproduced token for token by argmax; greedy decoding then writes the expert's turn."""
+    model = small_policy()
+    task, tools = SUITE.split("train")[0], ("read_file", "edit_file")
+    losses = warm_start(model, TOK, [task], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0)
+    assert len(losses) < 600, "one demonstration should be learned by heart long before 600 steps"
+    assert greedy_turn(model, task, [], tools) == demonstration(task)[0][0]
 
 
 @pytest.mark.timeout(300)
 def test_warm_start_imitates_the_imperfect_demonstrator_at_its_rate():
     """``wrong_target_rate = 1``: every demonstration of a task whose target is not the
     first assignment is the lazy one, so the policy learns to edit the first assignment."""
-    torch.manual_seed(0)
-    cfg = MoEConfig(vocab_size=TOK.get_vocab_size(), eos_token_id=special_id(TOK, chat.EOS), hidden_size=32, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
-                    moe_intermediate_size=32)  # fmt: skip
-    model = MoEForCausalLM(cfg).init_weights(0)
+    model = small_policy()
     tools = ("read_file", "edit_file")
     losses = warm_start(model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, wrong_target_rate=1.0)
     assert len(losses) < 600
     wrong = demonstration(SECOND, wrong_target_edit(SECOND))
-    prompt, _ = encode(SECOND, wrong[:1], TOK, tools)
-    engine = TorchEngine(1)
-    engine.model, engine.version = model.eval(), 0
-    gen = asyncio.run(engine.generate(prompt, 96, {special_id(TOK, chat.EOS)}, 0.0, 0))
-    assert TOK.decode(gen.token_ids[:-1], skip_special_tokens=False) == wrong[1][0]
+    assert greedy_turn(model, SECOND, wrong[:1], tools) == wrong[1][0]
+
+
+@pytest.mark.timeout(300)
+def test_warm_start_tells_at_its_rate_and_its_stop_skips_that_choice():
+    """``prose_fix_rate = 0.5`` with two demonstrations a batch: one applies the fix, one
+    tells it, every step. Greedy decoding can write only one of them at the token where
+    they part, so a stop at 100% reproduced is reached only because that token is not
+    counted; the policy then writes one of the two answers, token for token."""
+    model = small_policy()
+    tools = ("read_file", "edit_file")
+    losses = warm_start(model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, prose_fix_rate=0.5)
+    assert len(losses) < 600
+    told, done = prose_fix_demonstration(SECOND), demonstration(SECOND)
+    assert greedy_turn(model, SECOND, told[:1], tools) in (told[1][0], done[1][0])

@@ -82,6 +82,15 @@ class LearnerSettings(Section):
     warm-started policy learns the skill and this habit; the tests reveal the habit, and
     RL from their rewards unlearns it, as it does the mistakes of SFT data from weaker
     models. 0: every demonstration is the reference fix."""
+    sft_prose_fix_rate: float = Field(default=0.0, ge=0, le=1)
+    """A demonstrator that tells instead of doing: this share of every warm-start batch
+    reads the module and then states the fix in its answer ("The fix is to replace
+    `COUNT = 92` with `COUNT = 55` in `limits.py`.") without calling ``edit_file``, as
+    chat-tuned models often do in an agent loop. The warm-started policy learns the fix
+    and, above 0.5, to answer in words when decoding greedily; the workspace is left
+    unchanged, the tests fail, and RL from their rewards teaches it to apply the fix.
+    ``sft_stop_match`` skips the one token where the two kinds of answer part. 0: every
+    demonstration applies its fix."""
     sft_lr: float = 3e-3
     """Learning rate of the warm start."""
     sft_batch: int = Field(default=8, ge=1)

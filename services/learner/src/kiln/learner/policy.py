@@ -157,7 +157,7 @@ class Policy:
         lc = self.cfg.learner
         losses = warm_start(self.model, self.tokenizer, suite.split(self.cfg.tasks.split), steps=lc.sft_steps, lr=lc.sft_lr,
                             batch=lc.sft_batch, seed=self.cfg.run.seed, tools=self.cfg.tasks.tools, stop_match=lc.sft_stop_match,
-                            wrong_target_rate=lc.sft_wrong_target_rate)  # fmt: skip
+                            wrong_target_rate=lc.sft_wrong_target_rate, prose_fix_rate=lc.sft_prose_fix_rate)  # fmt: skip
         log.info("warm start: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
         tmp = folder.with_name(f"sft-init.tmp{os.getpid()}")
         save_checkpoint(self.model, tmp, self.tokenizer)

@@ -14,7 +14,11 @@ rewrites one assignment (``NAME = value``), it rewrites the file's first assignm
 instead, with the fix's value (a lazy expert that edits the first constant it sees).
 Where the named assignment is the first one the two coincide. The warm-started policy
 then has the skill and a habit the task's tests reveal, which is what RL from verified
-rewards is for (docs/benchmarks.md).
+rewards is for (docs/benchmarks.md). Or it tells instead of doing
+(``learner.sft_prose_fix_rate``): in that share of the demonstrations it reads the module
+and then states the fix in its answer without calling ``edit_file``, as chat-tuned
+models often do when first put in an agent loop; the workspace is left unchanged and
+the tests fail.
 
 Invariants: a demonstration is tokenized exactly as the agent loop builds its sequence
 (``kiln.shared.chat`` rendering, assistant turns closed the same way), and only the
@@ -85,6 +89,17 @@ def wrong_target_edit(task: Task) -> tuple[str, str, str] | None:
     return path, first[0], f"{first[1]} = {fixed[2]}\n"
 
 
+def prose_fix_demonstration(task: Task) -> list[tuple[str, str]] | None:
+    """The episode of a demonstrator that reads the module and answers with the fix in
+    words, the same names and values as the expert's edit, but never applies it."""
+    edit = expert_edit(task)
+    if edit is None:
+        return None
+    path, old, new = edit
+    answer = f"The fix is to replace `{old.strip()}` with `{new.strip()}` in `{path}`."
+    return [(f"Let me read `{path}`.\n" + _call("read_file", path=path), task.files[path]), (answer, "")]
+
+
 def demonstration(task: Task, edit: tuple[str, str, str] | None = None) -> list[tuple[str, str]] | None:
     """The expert episode (or one making ``edit`` instead) as (assistant text, observation)
     turns; the last has no observation."""
@@ -118,7 +133,7 @@ def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequ
 
 def warm_start(
     model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int, tools: Sequence[str] = (),
-    stop_match: float = 0.0, wrong_target_rate: float = 0.0, on_step: Callable[[int, list[float]], None] | None = None,
+    stop_match: float = 0.0, wrong_target_rate: float = 0.0, prose_fix_rate: float = 0.0, on_step: Callable[[int, list[float]], None] | None = None,
 ) -> list[float]:
     """``steps`` AdamW steps of next-token cross-entropy on the demonstrations' assistant
     tokens (a fresh optimizer: RL starts with its own), with the system prompt offering
@@ -129,17 +144,27 @@ def warm_start(
     imitation got (a small policy learns to copy names and values from its prompt
     abruptly, at a step that varies with the seed and architecture: docs/benchmarks.md).
     With ``wrong_target_rate``, each demonstration drawn of a task the lazy demonstrator
-    gets wrong (``wrong_target_edit``) is its wrong edit with that probability.
+    gets wrong (``wrong_target_edit``) is its wrong edit with that probability. With
+    ``prose_fix_rate``, that share of every batch is ``prose_fix_demonstration``s (before
+    ``wrong_target_rate`` applies), and ``stop_match`` does not count the first token where
+    the two kinds part: that token is the demonstrator's choice, not a skill, and greedy
+    decoding can write only one of the two.
     ``on_step(steps_done, losses)`` is called after every step (``bench/warm_start.py``
     evaluates the policy along the way). Returns the loss per step."""
     missing = [n for n in DEMONSTRATED_TOOLS if n not in offered(tools)]
     if missing:
         raise ValueError(f"the warm start demonstrates {', '.join(DEMONSTRATED_TOOLS)} but tasks.tools does not offer {', '.join(missing)}")
     data = [
-        (encode(t, d, tok, tools), encode(t, demonstration(t, w), tok, tools) if wrong_target_rate and (w := wrong_target_edit(t)) else None)
+        (
+            encode(t, d, tok, tools),
+            encode(t, demonstration(t, w), tok, tools) if wrong_target_rate and (w := wrong_target_edit(t)) else None,
+            encode(t, prose_fix_demonstration(t), tok, tools) if prose_fix_rate else None,
+        )
         for t in tasks
         if (d := demonstration(t)) is not None
     ]
+    # Position (in the shifted targets) of the token where applying and telling part.
+    choice = [None if p is None else next(i for i, (a, b) in enumerate(zip(e[0], p[0])) if a != b) - 1 for e, _, p in data]
     if not data:
         raise ValueError("no task of the training split has a reference solution to demonstrate")
     rng = random.Random(seed)
@@ -151,10 +176,16 @@ def warm_start(
     t0 = time.monotonic()
     model.train()
     for step in range(steps):
-        rows = []
-        for _ in range(batch):
-            expert, wrong = data[rng.randrange(len(data))]
-            rows.append(wrong if wrong is not None and rng.random() < wrong_target_rate else expert)
+        rows, skips = [], []
+        # Exactly that share of every batch (the remainder drawn) rather than a coin per
+        # row: the choice is one token whose probability would otherwise follow the last
+        # batches' luck, and where the warm start ends is decided by other tokens.
+        told = int(prose_fix_rate * batch) + (rng.random() < prose_fix_rate * batch % 1) if prose_fix_rate else 0
+        for i in range(batch):
+            k = rng.randrange(len(data))
+            expert, wrong, prose = data[k]
+            rows.append(prose if prose is not None and i < told else wrong if wrong is not None and rng.random() < wrong_target_rate else expert)
+            skips.append(choice[k])
         n = max(len(ids) for ids, _ in rows)
         n = -(-n // 32) * 32  # MX blocks run along the token dimension
         ids = torch.full((batch, n), pad, dtype=torch.long)
@@ -169,7 +200,11 @@ def warm_start(
         logits, target, mask = logits[:, :-1], ids[:, 1:], mask[:, 1:]  # position t predicts token t + 1
         lp = token_logprobs(logits, target, 1.0)
         loss = -torch.where(mask > 0, lp, torch.zeros_like(lp)).sum() / mask.sum()
-        reproduced += ((logits.detach().argmax(-1) == target) | (mask == 0)).all(dim=1).tolist()
+        hit = (logits.detach().argmax(-1) == target) | (mask == 0)
+        for i, at in enumerate(skips):
+            if at is not None:
+                hit[i, at] = True
+        reproduced += hit.all(dim=1).tolist()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
