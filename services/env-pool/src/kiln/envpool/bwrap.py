@@ -68,6 +68,7 @@ class BwrapSandbox(Sandbox):
     def __init__(self, *args, system: list[str], **kwargs):
         super().__init__(*args, **kwargs)
         self.system = system
+        self.sources = [system[i + 1] for i, a in enumerate(system) if a == "--ro-bind"] + [str(self.workspace)]
 
     def argv(self, argv: list[str]) -> list[str]:
         return [
@@ -101,8 +102,7 @@ class BwrapSandbox(Sandbox):
         # bwrap exits before the command starts when a path it binds is gone (this node's
         # files removed under it): a broken node, not the command's result, so it must not
         # reach a caller (a reward harness) as a failing command.
-        binds = [self.system[i + 1] for i, a in enumerate(self.system) if a == "--ro-bind"]
-        missing = [p for p in [*binds, str(self.workspace)] if not os.path.exists(p)]
+        missing = [p for p in self.sources if not os.path.exists(p)]
         if missing:
             raise ServiceError(f"sandbox {self.id} cannot start: {', '.join(missing)} no longer exist on this node", "sandbox_broken")
         return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={})

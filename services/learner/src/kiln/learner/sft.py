@@ -96,8 +96,7 @@ def prose_fix_demonstration(task: Task) -> list[tuple[str, str]] | None:
     if edit is None:
         return None
     path, old, new = edit
-    answer = f"The fix is to replace `{old.strip()}` with `{new.strip()}` in `{path}`."
-    return [(f"Let me read `{path}`.\n" + _call("read_file", path=path), task.files[path]), (answer, "")]
+    return demonstration(task, edit)[:1] + [(f"The fix is to replace `{old.strip()}` with `{new.strip()}` in `{path}`.", "")]
 
 
 def demonstration(task: Task, edit: tuple[str, str, str] | None = None) -> list[tuple[str, str]] | None:
@@ -184,7 +183,7 @@ def warm_start(
         for i in range(batch):
             k = rng.randrange(len(data))
             expert, wrong, prose = data[k]
-            rows.append(prose if prose is not None and i < told else wrong if wrong is not None and rng.random() < wrong_target_rate else expert)
+            rows.append(prose if i < told else wrong if wrong is not None and rng.random() < wrong_target_rate else expert)
             skips.append(choice[k])
         n = max(len(ids) for ids, _ in rows)
         n = -(-n // 32) * 32  # MX blocks run along the token dimension
