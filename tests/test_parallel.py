@@ -59,18 +59,48 @@ def test_parallel_step_equals_single_process(tmp_path, reference, dp, ep):
     assert moved > 1e-4  # the step did change the parameters
 
 
+def torchrun(tmp_path, nproc: int, *args: str) -> dict:
+    out = tmp_path / "state.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+           str(Path(dist_step.__file__)), *args[:2], str(out), *args[2:]]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.timeout(300)
+def test_collectives_stay_on_the_training_device(tmp_path):
+    """Every collective of a step (expert all-to-alls, FSDP, the load-balancing statistics,
+    the gradient norm, the step statistics) moves tensors on the training device. The
+    second of two (dp=2, ep=2) steps runs with the default device set to ``meta`` and
+    collectives that refuse tensors off the training device: a tensor built without being
+    placed on the training device lands on ``meta`` and is refused, as NCCL refuses a CPU
+    tensor on a GPU (``dist_step.py``). The steps
+    also equal two single-process steps (nothing ``meta`` leaked into the numbers): each
+    tensor within 1e-3 of how far it moved (float summation order, amplified by AdamW)."""
+    got = torchrun(tmp_path, 4, "2", "2", "hp", "strict")
+    m, v0 = dist_step.model(), dist_step.model().state_dict()
+    opt = dist_step.optimizer(m)
+    for seed in (0, 1):
+        b = dist_step.batch(seed)
+        stats = policy_gradient_step(m, opt, b, global_tokens=int(b["mask"].sum()), **dist_step.HPARAMS)
+    assert got["stats"]["loss"] == pytest.approx(stats["loss"], rel=1e-5, abs=1e-7)
+    assert got["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4)
+    ref = dict(m.named_parameters())
+    for k, t in got["state"].items():
+        moved = (ref[k].detach() - v0[k]).norm()
+        assert moved > 0, k
+        assert (t - ref[k].detach()).norm() <= 1e-3 * moved, k
+
+
 @pytest.mark.timeout(300)
 def test_mxfp8_dispatch_payloads(tmp_path, reference):
     """Expert parallelism with the tokens sent to the experts as MXFP8 (uint8 buffers over
     gloo): the step stays within quantization error of the exact one: the loss within 1%,
     and no parameter further than the 2 x lr an AdamW first step can move a weight whose
     tiny gradient changed sign; and it is not the exact step (the payload was FP8)."""
-    out = tmp_path / "state.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           str(Path(dist_step.__file__)), "1", "2", str(out), "mxfp8"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(out)
+    got = torchrun(tmp_path, 2, "1", "2", "mxfp8")
     ref_stats, ref_state = reference
     assert got["stats"]["loss"] == pytest.approx(ref_stats["loss"], rel=1e-2)
     worst = max((got["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)

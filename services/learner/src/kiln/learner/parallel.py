@@ -17,6 +17,11 @@ Invariants:
   averaged over ``dp_shard``, are divided by ``ep``; the load-balancing loss is built
   from router statistics all-reduced over the world (and counted once); the gradient
   norm for clipping is the norm over every shard of every rank;
+- every tensor a collective moves lives on the training device (where the parameter
+  shards live): NCCL refuses CPU tensors, so a statistic built by a bare
+  ``torch.tensor(...)`` would crash the first GPU step. ``tests/test_parallel.py`` runs
+  a step with the default device set to ``meta`` and collectives that refuse tensors off
+  the training device, as NCCL does;
 - ``full_state_dict`` returns the same names and full tensors as the unsharded model on
   every rank, so checkpoint staging and comparisons see one model.
 """
@@ -130,7 +135,8 @@ class ExpertParallel(nn.Module):
         self.first_expert = lo
 
     def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
-        counts = torch.as_tensor(counts, dtype=torch.long).reshape(self.ep_size, self.local_experts)
+        dev = x.device
+        counts = torch.as_tensor(counts, dtype=torch.long, device=dev).reshape(self.ep_size, self.local_experts)
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv.view(-1), counts.reshape(-1).contiguous(), group=self.group)
         send_splits, recv_splits = counts.sum(1).tolist(), recv.sum(1).tolist()
@@ -143,8 +149,10 @@ class ExpertParallel(nn.Module):
         # ``got`` is ordered (source rank, local expert); the experts want expert-major.
         seg = recv.reshape(-1)
         starts = torch.cumsum(seg, 0) - seg
-        order = torch.arange(self.ep_size * self.local_experts).view(self.ep_size, self.local_experts).T.reshape(-1)
-        gather = torch.cat([torch.arange(int(starts[j]), int(starts[j] + seg[j])) for j in order.tolist()] or [torch.zeros(0, dtype=torch.long)])
+        order = torch.arange(self.ep_size * self.local_experts, device="cpu")  # host-side bookkeeping
+        order = order.view(self.ep_size, self.local_experts).T.reshape(-1)
+        spans = [torch.arange(int(starts[j]), int(starts[j] + seg[j]), device=dev) for j in order.tolist()]
+        gather = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long, device=dev)
         out = self.local(got[gather], recv.sum(0))
         back = torch.zeros_like(out).index_copy(0, gather, out)
         return differentiable_all_to_all(
@@ -197,20 +205,27 @@ def global_load_balancing_loss(model: nn.Module, router_logits: list[torch.Tenso
     return balancing_loss(model.config.num_experts, frac, prob, n) / world
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def training_device(model: nn.Module) -> torch.device:
+    """Where this rank's parameter shards live: every collective's tensors go there."""
+    return _local(next(model.parameters())).device
+
+
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global L2 norm over every rank's shards (params live on two meshes)."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sq += g.detach().double().pow(2).sum().cpu()
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=_local(params[0]).device)  # every rank reduces, grads or not
+    for g in grads:
+        sq += g.detach().double().pow(2).sum()
     if dist.is_initialized():
         dist.all_reduce(sq)
     norm = sq.sqrt().to(torch.float32)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale.to(p.grad.dtype))
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
     return norm
 
 
@@ -283,7 +298,8 @@ def policy_gradient_step(
     norm = clip_grad_norm_(list(model.parameters()), max_grad_norm)
     optimizer.step()
     sums = torch.tensor([pg_total, stats["ratio_mean"] * n, stats["clip_frac"] * n,
-                         stats.get("kl", 0.0) * n, stats.get("tis_capped_frac", 0.0) * n])  # fmt: skip
+                         stats.get("kl", 0.0) * n, stats.get("tis_capped_frac", 0.0) * n],
+                        device=training_device(model))  # fmt: skip
     if world > 1:
         dist.all_reduce(sums)
     total = max(global_tokens, 1.0)
