@@ -171,6 +171,48 @@ def cmd_dashboard(a) -> int:
     return run_dashboard(a.run_dir, a.db, a.host, a.port, a.token or os.environ.get("KILN_DASHBOARD_TOKEN", ""))
 
 
+def cmd_env_build(a) -> int:
+    """Build (or find cached) each environment of a spec file; print name, digest, size and
+    build time or ``cached``."""
+    import asyncio
+    from pathlib import Path
+
+    from kiln.envpool.config import EnvPoolSettings
+    from kiln.envpool.environments import EnvironmentBuildError, EnvironmentCache
+    from kiln.shared.environments import load_environments
+
+    try:
+        specs = load_environments(a.file)
+    except Exception as e:  # noqa: BLE001 - a bad file is the user's error, said plainly
+        print(f"kiln env build: {a.file}: {e}", file=sys.stderr)
+        return 2
+    if a.name:
+        specs = [s for s in specs if s.name in a.name]
+        if missing := set(a.name) - {s.name for s in specs}:
+            print(f"kiln env build: no environment named {sorted(missing)} in {a.file}", file=sys.stderr)
+            return 2
+    settings = EnvPoolSettings()
+    root = a.root or settings.environments_root
+    budget = a.budget_bytes if a.budget_bytes is not None else settings.environments_budget_bytes
+
+    async def build_all() -> int:
+        cache = EnvironmentCache(Path(root), budget)
+        failed = 0
+        for spec in specs:
+            t0, builds = time.monotonic(), cache.builds
+            try:
+                built = await cache.get(spec)
+            except EnvironmentBuildError as e:
+                print(f"FAILED {e}", file=sys.stderr)
+                failed += 1
+                continue
+            how = f"built in {time.monotonic() - t0:.1f}s" if cache.builds > builds else "cached"
+            print(f"{spec.name}\t{built.digest[:16]}\t{built.size_bytes / 2**20:.1f} MiB\t{how}")
+        return 1 if failed else 0
+
+    return asyncio.run(build_all())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kiln", description="kiln: asynchronous RL for coding agents")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -212,6 +254,13 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--port", type=int, default=8700)
     d.add_argument("--token", default="", help="bearer token every request must carry (or KILN_DASHBOARD_TOKEN)")
     d.set_defaults(fn=cmd_dashboard)
+    env = sub.add_parser("env", help="environments (see docs/environments.md)").add_subparsers(dest="action", required=True)
+    eb = env.add_parser("build", help="build the environments of a spec file into this node's cache")
+    eb.add_argument("file", help="TOML or JSON file of [[environments]] specs")
+    eb.add_argument("--name", action="append", default=[], help="only this environment (repeatable)")
+    eb.add_argument("--root", default="", help="cache folder (default: env-pool's environments_root)")
+    eb.add_argument("--budget-bytes", type=int, default=None, help="cache budget (default: environments_budget_bytes)")
+    eb.set_defaults(fn=cmd_env_build)
     a = p.parse_args(argv)
     sys.exit(a.fn(a))
 

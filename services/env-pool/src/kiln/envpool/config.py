@@ -81,6 +81,12 @@ class EnvPoolSettings(Section):
     """Port of the operator HTTP API; 0 = a free port (logged and in the node stats), -1 = off."""
     http_token: str = ""
     """Bearer token the HTTP API requires (every route but ``/healthz``) when set."""
+    environments_root: str = "/var/tmp/kiln-environments"
+    """Folder of this node's built environments (layers, uv cache; see docs/environments.md).
+    On disk, not tmpfs: environments are large. Shared by every env-pool process of the node."""
+    environments_budget_bytes: int = Field(default=64 * 1024 * MiB, ge=0)
+    """Disk the built environments may take; past it the least recently used ones not in use
+    are removed."""
 
 
 class EnvPoolConfig(ServiceConfig):

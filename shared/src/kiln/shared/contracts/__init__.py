@@ -117,6 +117,9 @@ CLAIMS_BUCKET = "kiln-claims"
 """Object store bucket for claim-checked message bodies."""
 SNAPSHOTS_BUCKET = "kiln-snapshots"
 """Object store bucket for workspace snapshots (``SandboxSnapshot``), readable by every node."""
+ENVIRONMENTS_BUCKET = "kiln-environments"
+"""Object store bucket for built environment layers (a tar.gz per layer digest), so one
+node's build serves every node (``kiln.envpool.environments.NatsLayerStore``)."""
 
 # ---------------------------------------------------------------------------
 # Streams and consumers

@@ -1,0 +1,12 @@
+"""Content-addressed, layered environments (project issue 22): specs live in
+``kiln.shared.environments``; this package builds them into read-only layers, caches them
+per node (``EnvironmentCache``) and shares them between nodes (``NatsLayerStore``).
+See docs/environments.md."""
+
+from .cache import EnvironmentCache, LayerStore
+from .layers import BuiltEnvironment, EnvironmentBuildError, Layer, plan_layers
+from .sandbox import environment_bwrap_args
+from .store import NatsLayerStore
+
+__all__ = ["BuiltEnvironment", "EnvironmentBuildError", "EnvironmentCache", "Layer", "LayerStore",
+           "NatsLayerStore", "environment_bwrap_args", "plan_layers"]
