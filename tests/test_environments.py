@@ -215,8 +215,11 @@ async def test_python_environment_builds_once_and_runs_the_repos_tests(tmp_path)
     out = run_in(first, ["pytest", "-q", "-p", "no:cacheprovider", "tests"])
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
     for layer in first.layers:  # only in-sandbox paths: no trace of where it was built
-        hits = subprocess.run(["grep", "-rlI", "--", str(tmp_path), str(layer.path)], capture_output=True, text=True).stdout
-        assert not hits, hits
+        for trace in (str(tmp_path), "/opt/kiln/.node"):
+            hits = subprocess.run(["grep", "-rlI", "--", trace, str(layer.path)], capture_output=True, text=True).stdout
+            assert not hits, (trace, hits)
+    site = next((first.layer("python").path / "opt/kiln/venv/lib").glob("python3*/site-packages"))
+    assert (site / "iniconfig" / "__init__.py").stat().st_nlink > 1, "installed files are hard links into uv's cache"
 
     again = await cache.get(spec.model_copy(update={"name": "renamed"}))
     assert cache.builds == 1 and again.name == "renamed" and again.digest == first.digest

@@ -31,7 +31,12 @@ ROOTFS_DIRS = ("workspace", "opt/kiln", "tmp", "proc", "dev")
 ROOTFS_FILES = ("etc/resolv.conf", "etc/hosts")
 """Files a debian/oci base layer gets (the build binds the host's over them, for the network)."""
 UV_IN_SANDBOX = "/opt/kiln/tools/uv"
-UV_CACHE_IN_SANDBOX = "/opt/kiln/uv-cache"
+NODE_IN_SANDBOX = "/opt/kiln/.node"
+"""Where a python build sees the cache root: the uv cache and the venv being built must be
+in one mount for uv to hard-link (Linux refuses links between two bind mounts), so the
+build binds the root once (its ``layers``, ``envs`` and ``locks`` read-only over it) and
+``/opt/kiln/venv`` is a symlink into ``build/<partial>``. Nothing built records the
+symlink's target: the venv is relocatable and Python reports ``/opt/kiln/venv``."""
 CA_IN_SANDBOX = "/opt/kiln/tools/ca-certificates.crt"
 
 
@@ -86,9 +91,11 @@ def _tail(text: str, n: int = 3000) -> str:
 class BuildSandbox:
     """``bwrap`` argv for one build: the base, the layers at their final paths, the network."""
 
-    def __init__(self, rootfs: Path | None, uv_cache: Path, workspace: Path | None, venv: Path | None,
+    def __init__(self, rootfs: Path | None, node_root: Path | None, workspace: Path | None, venv: Path | None,
                  writable_workspace: bool, network: bool = True):
-        self.rootfs, self.uv_cache, self.workspace, self.venv = rootfs, uv_cache, workspace, venv
+        """``node_root``: the cache root, for uv (its cache, hard links into ``venv``, which
+        must then lie under ``node_root/build``); None: no uv cache (setup commands)."""
+        self.rootfs, self.node_root, self.workspace, self.venv = rootfs, node_root, workspace, venv
         self.writable_workspace, self.network = writable_workspace, network
 
     def argv(self, command: list[str], env: dict[str, str]) -> list[str]:
@@ -111,10 +118,18 @@ class BuildSandbox:
                 if self.network and os.path.exists(f) and (self.rootfs / f[1:]).exists():
                     a += ["--ro-bind", f, f]
         a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/opt/kiln",
-              "--ro-bind", find_uv(), UV_IN_SANDBOX, "--bind", str(self.uv_cache), UV_CACHE_IN_SANDBOX]
+              "--ro-bind", find_uv(), UV_IN_SANDBOX]
         if ca := host_ca_bundle():
             a += ["--ro-bind", ca, CA_IN_SANDBOX]
-        if self.venv is not None:
+        if self.node_root is not None:
+            a += ["--bind", str(self.node_root), NODE_IN_SANDBOX]
+            for d in ("layers", "envs", "locks"):
+                if (self.node_root / d).is_dir():
+                    a += ["--ro-bind", str(self.node_root / d), f"{NODE_IN_SANDBOX}/{d}"]
+            if self.venv is not None:
+                rel = self.venv.relative_to(self.node_root)
+                a += ["--symlink", f"{NODE_IN_SANDBOX}/{rel}", VENV]
+        elif self.venv is not None:
             a += ["--bind", str(self.venv), VENV]
         if self.workspace is not None:
             a += ["--bind" if self.writable_workspace else "--ro-bind", str(self.workspace), WORKSPACE]
@@ -126,12 +141,14 @@ class BuildSandbox:
         return a + ["--", *command]
 
 
-def sandbox_env(python: bool) -> dict[str, str]:
+def sandbox_env(python: bool, uv_cache: bool = True) -> dict[str, str]:
     path = "/opt/kiln/tools:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     env = {"HOME": "/tmp", "LANG": "C.UTF-8", "PATH": (f"{VENV}/bin:" if python else "") + path,
-           "UV_CACHE_DIR": UV_CACHE_IN_SANDBOX, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1",
-           # the uv cache and the venv are two mounts: hard links between mounts are refused
-           "UV_LINK_MODE": "copy"}
+           "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
+    if uv_cache:
+        env.update(UV_CACHE_DIR=f"{NODE_IN_SANDBOX}/uv-cache", UV_LINK_MODE="hardlink")
+    else:
+        env["UV_NO_CACHE"] = "1"
     if host_ca_bundle():
         env.update(SSL_CERT_FILE=CA_IN_SANDBOX, UV_NATIVE_TLS="1")
     if python:
@@ -146,7 +163,7 @@ def sandbox_env(python: bool) -> dict[str, str]:
 
 
 def run_in(sandbox: BuildSandbox, env_name: str, step: str, command: list[str], python: bool) -> str:
-    argv = sandbox.argv(command, sandbox_env(python))
+    argv = sandbox.argv(command, sandbox_env(python, sandbox.node_root is not None))
     try:
         out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=BUILD_TIMEOUT_S)
@@ -241,8 +258,8 @@ def build_layers(plan: LayerPlan, root: Path, missing: set[str]) -> None:
     """Build the layers in ``missing`` (digests) of ``plan`` under ``root/layers``; the
     layers not missing are present."""
     spec, layers = plan.spec, root / "layers"
-    uv_cache = root / "uv-cache"
-    uv_cache.mkdir(parents=True, exist_ok=True)
+    (root / "uv-cache").mkdir(parents=True, exist_ok=True)
+    (root / "build").mkdir(parents=True, exist_ok=True)
     partials: list[tuple[Path, Path]] = []
     try:
         if plan.base and plan.base in missing:
@@ -252,8 +269,8 @@ def build_layers(plan: LayerPlan, root: Path, missing: set[str]) -> None:
             publish(*partials.pop())
         rootfs = layers / plan.base if plan.base else None
 
-        def fresh(digest: str) -> Path:
-            p = partial_path(layers / digest)
+        def fresh(digest: str, where: Path = layers) -> Path:
+            p = partial_path(where / digest)
             p.mkdir(parents=True)
             partials.append((p, layers / digest))
             return p
@@ -265,19 +282,20 @@ def build_layers(plan: LayerPlan, root: Path, missing: set[str]) -> None:
             build_repository(spec, repo)
             venv = None
             if plan.python:
-                venv = fresh(plan.python) / VENV.lstrip("/")
+                venv = fresh(plan.python, root / "build") / VENV.lstrip("/")
                 venv.mkdir(parents=True)
-            sandbox = BuildSandbox(rootfs, uv_cache, repo / "workspace", venv, writable_workspace=True)
             if spec.python:
-                build_python(spec, sandbox)
-            run_setup(spec, sandbox)
+                build_python(spec, BuildSandbox(rootfs, root, repo / "workspace", venv, writable_workspace=True))
+            # setup sees the venv bound directly, not the node's root: its files are hard links
+            # into uv's cache, which setup commands must not reach
+            run_setup(spec, BuildSandbox(rootfs, None, repo / "workspace", venv, writable_workspace=True))
         else:
             if need_repo:
                 build_repository(spec, fresh(plan.repository))
             if need_py:
-                venv = fresh(plan.python) / VENV.lstrip("/")  # type: ignore[operator]
+                venv = fresh(plan.python, root / "build") / VENV.lstrip("/")  # type: ignore[arg-type]
                 venv.mkdir(parents=True)
-                build_python(spec, BuildSandbox(rootfs, uv_cache, None, venv, writable_workspace=False))
+                build_python(spec, BuildSandbox(rootfs, root, None, venv, writable_workspace=False))
         for partial, final in partials:
             if final.is_dir():  # built beside one present (coupled layers): keep the present one
                 shutil.rmtree(partial, ignore_errors=True)

@@ -6,7 +6,8 @@ Layout of ``root``::
     layers/<digest>/                 a layer's tree (its root stands for the sandbox's /)
     layers/<digest>.partial-<pid>-n  a layer being built (removed at start when its process is gone)
     envs/<digest>.json               a built environment (BuiltEnvironment); mtime = last use
-    uv-cache/                        uv's cache, shared by every build of the node
+    uv-cache/                        uv's cache, shared by every build of the node (hard links)
+    build/<digest>.partial-<pid>-n   a python layer being built (beside uv-cache: one mount)
     locks/<digest>.lock              flock held while a process builds that environment
 """
 
@@ -53,7 +54,7 @@ class EnvironmentCache:
         self._pending: dict[str, asyncio.Future[BuiltEnvironment]] = {}
         self._failed: dict[str, EnvironmentBuildError] = {}
         self._pins: dict[str, int] = {}
-        for d in ("layers", "envs", "uv-cache", "locks"):
+        for d in ("layers", "envs", "uv-cache", "locks", "build"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._remove_stale_partials()
 
@@ -215,7 +216,7 @@ class EnvironmentCache:
         return evicted
 
     def _remove_stale_partials(self) -> None:
-        for p in (self.root / "layers").glob("*.partial-*"):
+        for p in [*(self.root / "layers").glob("*.partial-*"), *(self.root / "build").glob("*.partial-*")]:
             try:
                 pid = int(p.name.split(".partial-")[1].split("-")[0])
                 os.kill(pid, 0)
