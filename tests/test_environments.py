@@ -253,6 +253,11 @@ async def test_failed_builds_name_environment_and_step_and_are_remembered(tmp_pa
     assert e.value.environment == "corrupt" and e.value.step == "repository"
     assert not list((tmp_path / "envs" / "layers").iterdir()), "a failed build leaves no layer"
 
+    gone = EnvironmentSpec.model_validate({"name": "gone", "repository": {"kind": "dir", "path": str(tmp_path / "nope")}})
+    with pytest.raises(EnvironmentBuildError) as e:
+        await cache.get(gone)
+    assert e.value.step == "repository" and "nope" in str(e.value)
+
     ok = EnvironmentSpec.model_validate({"name": "setupok", "repository": {"kind": "dir", "path": str(repo)},
                                          "setup": ["sh run.sh > built.txt"]})
     built = await cache.get(ok)

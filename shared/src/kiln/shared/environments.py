@@ -36,6 +36,14 @@ VENV = "/opt/kiln/venv"
 """Where the python layer's virtual environment appears inside the sandbox."""
 
 
+class EnvironmentInputError(ValueError):
+    """An input of a spec cannot be read or resolved; ``input`` is ``base`` or ``repository``."""
+
+    def __init__(self, input: str, reason: str):
+        self.input = input
+        super().__init__(reason)
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -141,7 +149,18 @@ class EnvironmentSpec(_Spec):
         ``name==version`` of an sdist)."""
         out: dict[str, str] = {}
         if isinstance(self.base, OciBase):
-            out["base"] = "sha256:" + file_sha256(Path(self.base.archive))
+            try:
+                out["base"] = "sha256:" + file_sha256(Path(self.base.archive))
+            except OSError as e:
+                raise EnvironmentInputError("base", f"image archive: {e}") from e
+        try:
+            out.update(self._repository_hash())
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            raise EnvironmentInputError("repository", str(e)) from e
+        return out
+
+    def _repository_hash(self) -> dict[str, str]:
+        out: dict[str, str] = {}
         r = self.repository
         if isinstance(r, DirRepository):
             out["repository"] = "tree:" + tree_hash(Path(r.path))

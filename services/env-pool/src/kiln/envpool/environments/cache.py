@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from kiln.shared.environments import EnvironmentSpec
+from kiln.shared.environments import EnvironmentInputError, EnvironmentSpec
 
 from .builder import build_layers, partial_path, publish
 from .layers import BuiltEnvironment, EnvironmentBuildError, environment_from_plan, plan_layers, tree_size, write_json_atomic
@@ -66,8 +66,8 @@ class EnvironmentCache:
         re-raised for that digest without rebuilding (``forget_failure`` to retry)."""
         try:
             inputs = await asyncio.to_thread(spec.input_hashes)
-        except (OSError, ValueError) as e:
-            raise EnvironmentBuildError(spec.name, "repository" if "repo" in str(e) else "inputs", str(e)) from e
+        except EnvironmentInputError as e:
+            raise EnvironmentBuildError(spec.name, e.input, str(e)) from e
         plan = plan_layers(spec, inputs)
         digest = plan.digest
         if digest in self._failed:
