@@ -149,10 +149,13 @@ async def test_budgets_end_the_episode(envpool):
 async def test_first_turn_generates_while_the_sandbox_is_created(envpool, monkeypatch):
     events = []
     create = envpool.create
+    generated = asyncio.Event()
 
     async def slow_create(*a, **kw):
         events.append("create-start")
-        await asyncio.sleep(0.5)
+        # The sandbox is ready only once turn 1 has generated: an agent that waited for it
+        # first would never get it (and fail here, not hang).
+        await asyncio.wait_for(generated.wait(), 30)
         ref = await create(*a, **kw)
         events.append("create-done")
         return ref
@@ -160,6 +163,7 @@ async def test_first_turn_generates_while_the_sandbox_is_created(envpool, monkey
     class Recording(ScriptedEngine):
         async def generate(self, *a, **kw):
             events.append("generate")
+            generated.set()
             return await super().generate(*a, **kw)
 
     monkeypatch.setattr(envpool, "create", slow_create)

@@ -14,6 +14,8 @@ from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, Reject, RemoteError, Retry, ServiceError
 from kiln.shared.config import NatsSettings
 
+from harness import wait_for
+
 SPEC = c.ConsumerSpec("KILN_EVENTS", "test-events", c.RUN_EVENTS, ack_wait_s=1.0, max_deliver=3)
 
 
@@ -122,8 +124,11 @@ async def test_held_delivery_is_heartbeated_past_ack_wait(bus):
     info = await bus.consumer_info(SPEC)
     assert info.num_ack_pending == 1 and info.num_redelivered == 0
     await held[0].ack()
-    await asyncio.sleep(0.3)
-    assert (await bus.consumer_info(SPEC)).num_ack_pending == 0
+
+    async def settled():
+        return (await bus.consumer_info(SPEC)).num_ack_pending == 0
+
+    await wait_for(settled, 15, 0.05, "the server took the ack")
 
 
 async def test_unacked_message_is_redelivered_after_ack_wait(bus):
@@ -223,24 +228,21 @@ async def test_consumer_survives_a_nats_restart(nats_server, bus):
 
     task = asyncio.create_task(bus.consume(SPEC, c.RunEvent, h, stop=stop))
     try:
-        for _ in range(100):
-            if seen:
-                break
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: seen, 15, 0.05, "the first event consumed")
         assert seen == ["before"]
         nats_server.kill()
-        await asyncio.sleep(1.0)
+        await wait_for(lambda: not bus.nc.is_connected, 15, 0.05, "the client saw the server go")
         nats_server.start()
-        for _ in range(100):  # the client reconnects by itself
+
+        async def published():  # the client reconnects by itself
             try:
                 await bus.publish(c.RUN_EVENTS, event("after"))
-                break
+                return True
             except Exception:
-                await asyncio.sleep(0.1)
-        for _ in range(200):
-            if "after" in seen:
-                break
-            await asyncio.sleep(0.05)
+                return False
+
+        await wait_for(published, 60, 0.1, "a publish after the restart")
+        await wait_for(lambda: "after" in seen, 30, 0.05, "the event published after the restart consumed")
         # At-least-once: a SIGKILLed server may lose an ack it had not yet persisted, so
         # "before" can come again (handlers are idempotent); nothing is lost.
         assert seen[-1] == "after" and set(seen) == {"before", "after"}

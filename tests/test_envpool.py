@@ -42,10 +42,11 @@ async def test_lifecycle_exec_and_limits(envpool, bus):
     r = await pool.exec(ref, "env", 10)
     assert "NATS" not in r.stdout and "KILN" not in r.stdout and "HOME=" in r.stdout  # cleared environment
 
-    # A timeout kills the whole process group, background children included.
+    # A timeout kills the whole process group, background children included: the call
+    # returns long before the sleeps' 100 s (a loose bound: the machine's speed must not matter).
     t0 = time.monotonic()
     r = await pool.exec(ref, "sleep 100 & sleep 100; echo never", 0.5)
-    assert r.timed_out and r.exit_code == -9 and time.monotonic() - t0 < 5 and "never" not in r.stdout
+    assert r.timed_out and r.exit_code == -9 and time.monotonic() - t0 < 50 and "never" not in r.stdout
     assert "timeout" in r.stderr
     # Output is capped: head and tail kept, the cut marked.
     r = await pool.exec(ref, "echo START; yes x | head -c 200000; echo; echo END", 10)

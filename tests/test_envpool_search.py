@@ -28,6 +28,8 @@ from kiln.envpool.search import (
     load_packaged_model,
 )
 
+from harness import wait_for
+
 pytestmark = pytest.mark.skipif(shutil.which("rg") is None, reason="ripgrep is not installed")
 
 FILES = {
@@ -279,7 +281,7 @@ async def test_auto_mode_ranks_with_bm25_until_the_model_is_ready(repo, model):
     release = threading.Event()
 
     def slow_loader():
-        release.wait(10)
+        assert release.wait(60), "the test never released the loader"
         return model
 
     index = SemanticIndex(mode="auto", loader=slow_loader)
@@ -294,11 +296,14 @@ async def test_auto_mode_ranks_with_bm25_until_the_model_is_ready(repo, model):
             await asyncio.sleep(0.01)
 
     beat = asyncio.create_task(heartbeat())
-    await asyncio.sleep(0.1)
+    # The event loop keeps running while the model loads: the loader is held until the
+    # heartbeat has ticked five times.
+    await wait_for(lambda: ticks >= 5, 30, 0.01, "five heartbeats while the model loads")
+    assert index.loading and not index.ready
     release.set()
     await index.start_loading()
     await beat
-    assert ticks >= 5  # the event loop kept running while the model loaded
+    assert ticks >= 5
     method, hits = await index.search(repo, "verify the user's password", 2)
     assert method == "embedding" and hits[0].path == "auth/login.py"
 

@@ -7,8 +7,6 @@ token; pass@k is the unbiased estimator."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from sqlalchemy import select
 
@@ -18,7 +16,7 @@ from kiln.shared.db import Database, EvalRecord, Run, TrajectoryRecord
 from kiln.shared.evaluation import EvalCollector, pass_at_k
 from kiln.shared.tasks import load_suite
 
-from harness import InProcessPlatform, experiment, wait_run_ended
+from harness import InProcessPlatform, experiment, wait_for, wait_run_ended
 
 EVAL = {"every": 1, "split": "heldout", "max_tasks": 2, "samples": 2, "k": [1, 2], "seed": 7, "timeout_s": 120}
 
@@ -46,8 +44,12 @@ async def test_an_evaluation_nothing_answers_is_not_recorded(bus, tmp_path):
         collector = EvalCollector(bus, db, load_suite("builtin"))
         await collector.watch()
         await collector.start("r", "r-eval-v0", weights, EvalSettings(**{**EVAL, "timeout_s": 0.2}), "builtin")
-        await asyncio.sleep(0.3)
-        await collector.expire()  # no eval worker: nothing came back
+
+        async def expired():  # no eval worker: nothing comes back, and the 0.2 s run out
+            await collector.expire()
+            return not collector.outstanding()
+
+        await wait_for(expired, 30, 0.05, "the evaluation expired")
         assert await collector.wait("r-eval-v0", 1) is None and not collector.outstanding()
         async with db.session() as s:
             assert (await s.scalars(select(EvalRecord))).all() == []

@@ -75,17 +75,18 @@ async def one_run(run_dir, nats_server, bus, pg_url, kill_after: int | None, lea
     run_id = platform.config("learner").run.id
     published: list[int] = []
     scored_for: list[int] = []
+    held_seqs: list[int] = []  # stream sequences of the samples the learner must hold at the kill
     killed = asyncio.Event()
 
     async def on_published(m: c.WeightsPublished):
         published.append(m.version)
 
     async def score(req: c.RolloutRequest, delivery):
-        for s in scripted(req):
-            await bus.publish(c.TRAJECTORY_SCORED, s, msg_id=s.trajectory.trajectory_id)
+        seqs = [(await bus.publish(c.TRAJECTORY_SCORED, s, msg_id=s.trajectory.trajectory_id)).seq for s in scripted(req)]
+        if req.dispatch_version == kill_after and not held_seqs:
+            held_seqs.extend(seqs)
         scored_for.append(req.dispatch_version)
         if req.dispatch_version == kill_after:
-            await asyncio.sleep(0.5)  # the learner now holds this group's samples, unacked
             await killed.wait()  # the step's other group is scored only by the successor's time
 
     stop = asyncio.Event()
@@ -111,7 +112,12 @@ async def one_run(run_dir, nats_server, bus, pg_url, kill_after: int | None, lea
             # Mid-step: version kill_after is out and the learner holds scored samples of
             # the next step (unacked; they must come back to its successor).
             await wait_for(lambda: kill_after in scored_for, 120, 0.02, f"groups of version {kill_after} scored")
-            await asyncio.sleep(0.5)
+
+            async def holding():  # the learner was delivered those samples and has not acked them
+                info = await bus.consumer_info(c.LEARNER)
+                return info.delivered.stream_seq >= max(held_seqs) and info.num_ack_pending >= len(held_seqs)
+
+            await wait_for(holding, 120, 0.02, f"the learner holding the samples of version {kill_after}")
             for pid in [proc.pid, *descendants(proc.pid)]:  # under torchrun: every rank too
                 os.kill(pid, signal.SIGKILL)
             proc.wait(10)

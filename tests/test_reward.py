@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nats.errors
 import pytest
@@ -200,7 +201,10 @@ async def _consumer_idle(bus) -> bool:
 
 
 async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_url, run_dir, tmp_path):
-    suite = write_suite(tmp_path / "slow.jsonl", test_command=f"sleep 4; {BASE.test_command}")
+    # The test run announces itself (.scoring) and waits for the test's go (.go): the kill
+    # lands inside it, whatever the machine's speed.
+    gate = "touch .scoring; while [ ! -e .go ]; do sleep 0.05; done"
+    suite = write_suite(tmp_path / "gated.jsonl", test_command=f"{gate}; {BASE.test_command}")
     exp = experiment(
         run_dir, nats_server.url, pg_url, tasks={"suite": suite}, nats={"ack_wait_s": {"reward-workers": 2.0}}
     )
@@ -209,8 +213,9 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
     await add_run(pg_url, run_id)
     await platform.start("env-pool")
     try:
-        ref = await EnvPoolClient(bus).create(BASE.id)
-        await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, ref), msg_id="g1-s0")
+        created = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id=BASE.id), c.SandboxCreated)
+        workspace = Path(created.workspace)
+        await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, created.sandbox), msg_id="g1-s0")
 
         def reward_process(tag: str) -> subprocess.Popen:
             return subprocess.Popen(
@@ -227,11 +232,12 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
                 return info.num_ack_pending == 1
 
             await wait_for(taken, 60, 0.1, "first reward process took the trajectory")
-            await asyncio.sleep(0.5)  # it is now inside the 4 s test run
+            await wait_for((workspace / ".scoring").exists, 60, 0.05, "first reward process running the tests")
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait()
         assert (await bus.js.stream_info("KILN_SCORED")).state.messages == 0
+        (workspace / ".go").touch()  # the successor's test run goes through
 
         second = reward_process("reward-b")
         try:

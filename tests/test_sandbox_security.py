@@ -16,7 +16,7 @@ import pytest
 from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 
-from harness import InProcessPlatform, experiment
+from harness import InProcessPlatform, experiment, wait_for
 
 MiB = 1024 * 1024
 LIMITS = {
@@ -188,21 +188,29 @@ async def test_every_file_tool_refuses_escapes(node):
     assert "etc_link@" in res["ls"].output and "pw_link@" in res["ls"].output
 
 
-def other_env_pool(script: str, ready: Path):
-    """A second process that runs ``script`` (which writes what it made to ``ready``), once
-    ``ready`` has it: (the process, the lines it wrote)."""
+async def other_env_pool(script: str, ready: Path):
+    """A second process that runs ``script`` (which writes what it made to ``ready``) and then
+    lives until it is killed (or this process is gone: it waits on its stdin), once ``ready``
+    has it: (the process, the lines it wrote)."""
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", script + "\nimport time\ntime.sleep(60)\n"])
-    for _ in range(200):
-        if ready.exists() and ready.read_text():
-            break
-        time.sleep(0.05)
+    child = subprocess.Popen([sys.executable, "-c", script + "\nimport sys\nsys.stdin.read()\n"], stdin=subprocess.PIPE)
+
+    def written():
+        assert child.poll() is None, f"the other env-pool exited with {child.returncode}"
+        return ready.exists() and ready.read_text()
+
+    try:
+        await wait_for(written, 60, 0.05, "the other env-pool ready")
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
     return child, ready.read_text().splitlines()
 
 
-def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
+async def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
     """Two env-pools named alike on one host (two local runs, a test beside a run): one's
     shutdown must not remove the other's cgroups and kill its sandboxes."""
     from kiln.envpool.cgroups import CgroupManager
@@ -211,7 +219,7 @@ def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
     if mine.mode == "none":
         pytest.skip(f"no writable cgroup hierarchy here: {mine.reason}")
     ready = tmp_path / "ready"
-    child, lines = other_env_pool((
+    child, lines = await other_env_pool((
         "import pathlib\n"
         "from kiln.envpool.cgroups import CgroupManager\n"
         "m = CgroupManager('same-node'); m.create('sb-other', memory_bytes=1 << 28, pids=64)\n"
@@ -225,13 +233,13 @@ def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
         assert all((p / "sb-other").is_dir() for p in theirs), "closing one env-pool removed another's sandbox cgroups"
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
     # The dead one's groups are reaped by the next env-pool that starts.
     CgroupManager("another-node").close()
     assert not any(p.exists() for p in theirs)
 
 
-def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
+async def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
     """The same for the workspace folder: one's shutdown removes its own folder (with the
     bwrap identity files every sandbox binds), never another's; a dead one's is reaped."""
     import shutil
@@ -241,7 +249,7 @@ def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
 
     node = f"same-node-{tmp_path.name[-8:]}"
     ready = tmp_path / "ready"
-    child, lines = other_env_pool((
+    child, lines = await other_env_pool((
         "import pathlib\n"
         "from kiln.envpool.config import EnvPoolSettings\n"
         "from kiln.envpool.main import workspace_root\n"
@@ -259,6 +267,6 @@ def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
         assert workspace_root(EnvPoolSettings(), "", node) == mine and theirs.is_dir(), "a live env-pool's folder was reaped"
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
     workspace_root(EnvPoolSettings(), "", node)
     assert not theirs.exists(), "the dead env-pool's folder was not reaped"

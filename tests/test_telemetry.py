@@ -48,7 +48,7 @@ def test_trace_file_gets_every_span_at_shutdown(tmp_path):
     assert extract_context(headers) is not None
 
 
-async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus):
+async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus, caplog):
     """A service whose work ends by itself (the learner at the end of a run) keeps ``/metrics``
     up for ``metrics_linger_s``, so the last scrape sees the final values; a stop cuts the
     linger short, and health replies stop naming the endpoint before it closes."""
@@ -60,9 +60,12 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus):
     from kiln.shared.config import NatsSettings, ServiceConfig
     from kiln.shared.service import run_service
 
+    from harness import wait_for
+
     cfg = ServiceConfig(nats=NatsSettings(url=nats_server.url),
                         telemetry=TelemetrySettings(log_format="text", metrics_port=0, metrics_linger_s=60))
     body_done, stop = asyncio.Event(), asyncio.Event()
+    caplog.set_level(logging.INFO, logger="kiln.service")
 
     async def body(ctx):
         ctx.meter.create_counter("kiln_test_work_done").add(3)
@@ -71,7 +74,8 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus):
     task = asyncio.create_task(run_service("lingerer", cfg, body, stop=stop, install_signals=False,
                                            set_global_telemetry=False))
     await asyncio.wait_for(body_done.wait(), 20)
-    await asyncio.sleep(0.5)  # past the point where the endpoint used to close
+    # Past the point where the endpoint used to close: the service is in its linger.
+    await wait_for(lambda: any("metrics stay up" in r.getMessage() for r in caplog.records), 20, 0.05, "the linger")
     h = await bus.request(f"{c.HEALTH_PREFIX}.lingerer", c.HealthProbe(), c.HealthReply)
     async with httpx.AsyncClient() as http:
         r = await http.get(h.detail["metrics_url"])

@@ -3,7 +3,8 @@
 ``InferenceEngine``: ``generate`` continues a token sequence and returns the new tokens
 with their logprobs and, token by token, the policy version that produced them;
 ``load`` swaps in a new version; ``abort`` makes every ``generate`` in flight return at
-once with what it has (``finish_reason = "abort"``).
+once with what it has (``finish_reason = "abort"``); ``tokens_generated`` counts the
+tokens sampled so far as they come (a generation in flight moves it).
 
 Invariants:
 - the version tag of every token is exact: an engine that swaps weights in the middle
@@ -61,6 +62,9 @@ class EngineDead(RuntimeError):
 
 class InferenceEngine(ABC):
     version: int = -1
+    tokens_generated: int = 0
+    """Tokens sampled so far, every request together, counted as they are produced (not
+    when a generation returns): throughput, and progress while a generation is in flight."""
 
     @abstractmethod
     async def generate(
@@ -85,6 +89,7 @@ class TorchEngine(InferenceEngine):
         torch.set_num_threads(threads)
         self.model: MoEForCausalLM | None = None
         self.version = -1
+        self.tokens_generated = 0
         self._lock = threading.Lock()
         self._abort = 0  # generation counter: a generate started before an abort stops
 
@@ -143,6 +148,7 @@ class TorchEngine(InferenceEngine):
                     tok = int(torch.multinomial(probs, 1, generator=g))
                     lps.append(float(token_logprobs(last[None], torch.tensor([tok]), temperature)[0]))
                 out.append(tok)
+                self.tokens_generated += 1
                 if tok in stop_ids:
                     reason = "stop"
                     break

@@ -54,6 +54,7 @@ class VllmEngine(InferenceEngine):
         self.transfer = transfer
         """Start vLLM with its NCCL weight-transfer engine (``join_transfer``)."""
         self.version = -1
+        self.tokens_generated = 0
         self.llm = None
         self._ids = itertools.count()
         self._prefix = instance
@@ -164,6 +165,7 @@ class VllmEngine(InferenceEngine):
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=rid):
                 c = out.outputs[0]
                 tokens += c.token_ids
+                self.tokens_generated += len(c.token_ids)
                 logprobs += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [])]
                 if out.finished:
                     reason = c.finish_reason or "length"
