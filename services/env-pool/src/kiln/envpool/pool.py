@@ -9,7 +9,14 @@ Invariants:
 - every leased sandbox has an expiry; the reaper destroys it after that unless it is
   renewed, so a worker that dies leaks nothing for longer than its lease;
 - as root, each live sandbox has its own host uid (``sandbox_uid_base + slot``), its
-  workspace owned by that uid and nobody else's, and its own cgroup.
+  workspace owned by that uid and nobody else's, and its own cgroup;
+- a task with an ``environment`` gets a copy-on-write view (``overlay.py``): the
+  environment's layers and the task's own files read-only beneath, the sandbox's upper
+  directory on top. Create copies nothing; fork copies the parent's upper directory
+  (what it changed), never the environment; snapshots and diffs are of the upper
+  directory alone. An environment that cannot be built fails every create of its tasks
+  with ``environment_error`` naming the environment and the step (the cache remembers
+  the failure: it is never rebuilt in a loop).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from typing import Awaitable, Callable
 from kiln.shared.bus import ServiceError
 from kiln.shared.tasks import TaskSuite
 
+from kiln.envpool import overlay
+from kiln.envpool import upper as upp
 from kiln.envpool import workspace as wsp
 from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolSettings
@@ -36,6 +45,8 @@ from kiln.envpool.sandbox import Identity, Limits, Sandbox
 log = logging.getLogger("kiln.envpool.pool")
 
 SandboxFactory = Callable[[str, Path, Limits, Identity, object], Sandbox]
+Filler = Callable[[Path, Identity], "tuple[Path, overlay.OverlayView | None]"]
+"""Writes a new sandbox's files under its folder; returns its workspace and its overlay view."""
 
 
 @dataclass
@@ -61,6 +72,7 @@ class SandboxPool:
         put_snapshot: Callable[[str, bytes], Awaitable[None]] | None = None,
         get_snapshot: Callable[[str], Awaitable[bytes]] | None = None,
         on_destroy: Callable[[Path], None] | None = None,
+        environments=None,
     ):
         self.s = settings
         self.suite = suite
@@ -72,6 +84,9 @@ class SandboxPool:
         self.get_snapshot = get_snapshot
         self.on_destroy = on_destroy
         """Told each destroyed workspace (the search index drops what it cached for it)."""
+        self.environments = environments
+        """The node's ``EnvironmentCache`` (None: only tasks without an environment)."""
+        self.idmaps = overlay.IdmapNamespaces()
         self.as_root = os.geteuid() == 0
         self.templates = root / "templates"
         self.spaces = root / "ws"
@@ -148,11 +163,33 @@ class SandboxPool:
         dest = self.templates / task_id
         async with self._template_locks.setdefault(task_id, asyncio.Lock()):
             if not dest.exists():
-                await asyncio.to_thread(wsp.materialize, task, dest)
+                # An environment task's files are a layer over the repository: root-shaped.
+                await asyncio.to_thread(wsp.materialize, task, dest, "workspace" if task.environment else "")
         return dest
 
-    async def _build(self, task_id: str, fill: Callable[[Path], None]) -> Lease:
-        """A new sandbox whose workspace ``fill`` writes; the caller holds a reservation."""
+    async def _layers(self, task_id: str) -> tuple[object, tuple[overlay.LowerLayer, ...]] | None:
+        """The environment and the lower layers of a task's sandboxes (None: a plain task)."""
+        try:
+            task = self.suite.get(task_id)
+        except KeyError as e:
+            raise ServiceError(str(e.args[0]), "unknown_task") from None
+        if not task.environment:
+            return None
+        if self.environments is None:
+            raise ServiceError(f"task {task_id} needs environment {task.environment!r}: this node serves no environments "
+                               "(they need the bwrap backend and env-pool running as root)", "unsupported")  # fmt: skip
+        from kiln.envpool.environments import EnvironmentBuildError
+
+        try:
+            built = await self.environments.get(self.suite.environments[task.environment])
+        except EnvironmentBuildError as e:
+            raise ServiceError(str(e), "environment_error") from None
+        template = await self._template(task_id)
+        layers = [overlay.LowerLayer(layer.path, owned=layer.name == "repository") for layer in built.layers]
+        return built, (*layers, overlay.LowerLayer(template, owned=True))
+
+    async def _build(self, task_id: str, fill: Filler, environment=None) -> Lease:
+        """A new sandbox whose files ``fill`` writes; the caller holds a reservation."""
         try:
             await asyncio.wait_for(self._build_slots.acquire(), self.s.create_wait_s)
         except asyncio.TimeoutError:
@@ -163,14 +200,20 @@ class SandboxPool:
         identity = Identity(self.s.sandbox_uid_base + slot, self.s.sandbox_uid_base + slot) if self.as_root else Identity()
 
         def prepare():  # one thread hop for all the file system work
-            fill(ws)
-            if identity.uid is not None:
-                wsp.chown_tree(ws, identity.uid, identity.gid)
-            return self.cgroups.create(sid, memory_bytes=self.s.memory_bytes, pids=self.s.pids)
+            workspace, view = fill(ws, identity)
+            try:
+                return workspace, view, self.cgroups.create(sid, memory_bytes=self.s.memory_bytes, pids=self.s.pids)
+            except BaseException:
+                if view is not None:
+                    view.unmount()
+                raise
 
         try:
-            cgroup = await asyncio.to_thread(prepare)
-            sb = self.factory(sid, ws, self.limits, identity, cgroup)
+            workspace, view, cgroup = await asyncio.to_thread(prepare)
+            sb = self.factory(sid, workspace, self.limits, identity, cgroup)
+            sb.attach_view(view, environment)
+            if environment is not None:
+                self.environments.pin(environment.digest)  # never evicted under a live sandbox
         except BaseException:
             self.slots.add(slot)
             await asyncio.to_thread(shutil.rmtree, ws, True)
@@ -181,14 +224,47 @@ class SandboxPool:
         now = time.time()
         return Lease(sb, task_id, "", slot, now, None)
 
-    async def _new(self, task_id: str, fill: Callable[[Path], None]) -> Lease:
+    async def _new(self, task_id: str, fill: Filler, environment=None) -> Lease:
         await self._reserve()
         try:
-            return await self._build(task_id, fill)
+            return await self._build(task_id, fill, environment)
         finally:
             self.creating -= 1
 
-    def _from_template(self, template: Path) -> Callable[[Path], None]:
+    @staticmethod
+    def _plain(write: Callable[[Path], None]) -> Filler:
+        def fill(ws: Path, identity: Identity) -> tuple[Path, None]:
+            write(ws)
+            if identity.uid is not None:
+                wsp.chown_tree(ws, identity.uid, identity.gid)
+            return ws, None
+
+        return fill
+
+    def _overlay(self, layers: tuple[overlay.LowerLayer, ...], upper_from: Callable[[Path, Identity], None] | None = None) -> Filler:
+        """A view over ``layers``; ``upper_from`` writes its starting upper directory
+        (a fork's copy, a restored snapshot), else it starts empty."""
+
+        def fill(ws: Path, identity: Identity) -> tuple[Path, overlay.OverlayView]:
+            ws.mkdir(parents=True)
+            os.chmod(ws, 0o711)  # bwrap (as the sandbox uid) must reach root/, nobody may list
+            view = overlay.OverlayView(ws, layers)
+            if upper_from is not None:
+                upper_from(view.upper, identity)
+            view.mount(identity.uid, identity.gid, self.idmaps)
+            return view.workspace, view
+
+        return fill
+
+    async def _fresh(self, task_id: str) -> tuple[Filler, object]:
+        """How to build a task's sandbox as it starts, and its environment (None: plain)."""
+        env = await self._layers(task_id)
+        if env is None:
+            return self._plain(self._clone_of(await self._template(task_id))), None
+        return self._overlay(env[1]), env[0]
+
+    @staticmethod
+    def _clone_of(template: Path) -> Callable[[Path], None]:
         return lambda ws: wsp.clone(template, ws)
 
     # --- API -------------------------------------------------------------------
@@ -201,7 +277,12 @@ class SandboxPool:
                 data = await self.get_snapshot(snapshot_key)
             except Exception as e:
                 raise ServiceError(f"snapshot {snapshot_key} is unavailable: {e}", "not_found") from None
-            lease = await self._new(task_id, lambda ws: wsp.restore(data, None, ws))
+            env = await self._layers(task_id)
+            if env is None:
+                lease = await self._new(task_id, self._plain(lambda ws: wsp.restore(data, None, ws)))
+            else:
+                restore = lambda up, ident: upp.restore(data, None, up, ident.uid or 0, ident.gid or 0)  # noqa: E731
+                lease = await self._new(task_id, self._overlay(env[1], restore), env[0])
         else:
             self._touch(task_id)
             pool = self.warm.get(task_id)
@@ -209,13 +290,17 @@ class SandboxPool:
                 lease = pool.pop()
                 self._top_up_soon(task_id)
             else:
-                template = await self._template(task_id)
-                lease = await self._new(task_id, self._from_template(template))
+                lease = await self._new(task_id, *await self._fresh(task_id))
         return self._lease(lease, run_id, ttl_s)
 
     async def fork(self, sandbox_id: str, ttl_s: float) -> Sandbox:
         src = self._get_lease(sandbox_id)
-        lease = await self._new(src.task_id, self._from_template(src.sandbox.workspace))
+        view = src.sandbox.view
+        if view is None:
+            lease = await self._new(src.task_id, self._plain(self._clone_of(src.sandbox.workspace)))
+        else:  # the parent's changes, copied; the environment is shared, not copied
+            copy = lambda up, ident: overlay.copy_upper(view.upper, up, ident.uid or 0, ident.gid or 0)  # noqa: E731
+            lease = await self._new(src.task_id, self._overlay(view.layers, copy), src.sandbox.environment)
         return self._lease(lease, src.run_id, ttl_s)
 
     async def snapshot(self, sandbox_id: str) -> tuple[str, int, str, str]:
@@ -223,7 +308,11 @@ class SandboxPool:
         if self.put_snapshot is None:
             raise ServiceError("this node has no snapshot store", "unsupported")
         lease = self._get_lease(sandbox_id)
-        data, digest = await asyncio.to_thread(wsp.snapshot, lease.sandbox.workspace)
+        view = lease.sandbox.view
+        if view is None:
+            data, digest = await asyncio.to_thread(wsp.snapshot, lease.sandbox.workspace)
+        else:  # the changes only: a node with the same environment digest resumes it
+            data, digest = await asyncio.to_thread(upp.snapshot, view.upper)
         key = f"{lease.task_id}/{sandbox_id}-{digest[:16]}"
         await self.put_snapshot(key, data)
         return key, len(data), digest, lease.task_id
@@ -231,6 +320,10 @@ class SandboxPool:
     async def diff(self, sandbox_id: str) -> tuple[dict[str, str], list[str], list[str]]:
         """The workspace as changes to its task's files (``workspace.diff``)."""
         lease = self._get_lease(sandbox_id)
+        view = lease.sandbox.view
+        if view is not None:
+            lowers = [layer.path / "workspace" for layer in reversed(view.layers)]
+            return await asyncio.to_thread(upp.diff, view.upper / "workspace", lowers)
         template = await self._template(lease.task_id)
         return await asyncio.to_thread(wsp.diff, template, lease.sandbox.workspace)
 
@@ -278,6 +371,8 @@ class SandboxPool:
             await lease.sandbox.destroy()
         finally:
             self.slots.add(lease.slot)
+            if lease.sandbox.environment is not None:
+                self.environments.unpin(lease.sandbox.environment.digest)
             if self.on_destroy is not None:
                 self.on_destroy(lease.sandbox.workspace)
 
@@ -312,10 +407,9 @@ class SandboxPool:
         """Fill one task's warm pool; False when the node is busy (the next round retries)."""
         pool = self.warm.setdefault(task_id, [])
         while len(pool) < self.s.warm_per_task and self.total() < self.s.max_sandboxes:
-            template = await self._template(task_id)
             self.creating += 1
             try:
-                pool.append(await self._build(task_id, self._from_template(template)))
+                pool.append(await self._build(task_id, *await self._fresh(task_id)))
             except ServiceError:
                 return False
             finally:
@@ -340,8 +434,10 @@ class SandboxPool:
             for lease in pool:
                 await self._destroy_lease(lease)
         self.warm.clear()
+        await asyncio.to_thread(overlay.unmount_below, self.root)  # views of destroys that failed
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         await asyncio.to_thread(self.cgroups.close)
+        self.idmaps.close()
 
     def listing(self) -> list[dict]:
         rows = [(lease, "leased") for lease in self.leases.values()]

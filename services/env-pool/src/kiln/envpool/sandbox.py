@@ -77,6 +77,18 @@ class Sandbox(ABC):
         self.over_quota = False
         self.oom_seen = 0
         self._entries = 0
+        self.view = None
+        """The overlay view (``overlay.OverlayView``) of an environment sandbox, else None."""
+        self.environment = None
+        """The ``BuiltEnvironment`` it runs in (None: the host system, a plain workspace)."""
+
+    def attach_view(self, view, environment) -> None:
+        self.view, self.environment = view, environment
+
+    @property
+    def storage(self) -> Path:
+        """What counts against the quota: the workspace, or an overlay view's upper layer."""
+        return self.view.upper if self.view is not None else self.workspace
 
     @abstractmethod
     async def run(self, argv: list[str], timeout_s: float) -> ExecResult:
@@ -91,7 +103,11 @@ class Sandbox(ABC):
         def remove() -> None:
             if self.cgroup is not None:
                 self.cgroup.remove()
-            shutil.rmtree(self.workspace, True)
+            if self.view is not None:
+                self.view.unmount()
+                shutil.rmtree(self.view.dir, True)
+            else:
+                shutil.rmtree(self.workspace, True)
 
         await asyncio.to_thread(remove)
 
@@ -99,9 +115,9 @@ class Sandbox(ABC):
         """Bytes the workspace uses; walked inline while it is small (a thread hop costs
         more than walking a few dozen files), in a thread once it is big."""
         if self._entries < 256:
-            used, self._entries = usage_bytes(self.workspace)
+            used, self._entries = usage_bytes(self.storage)
         else:
-            used, self._entries = await asyncio.to_thread(usage_bytes, self.workspace)
+            used, self._entries = await asyncio.to_thread(usage_bytes, self.storage)
         return used
 
     def rlimits(self) -> list[tuple[int, int]]:
@@ -116,8 +132,11 @@ class Sandbox(ABC):
         ]
 
 
-async def spawn(sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | None, env: dict[str, str]) -> ExecResult:
-    """Run ``argv`` under ``sb``'s limits; the whole process tree is gone when this returns."""
+async def spawn(
+    sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | None, env: dict[str, str], files: list[str] | None = None
+) -> ExecResult:
+    """Run ``argv`` under ``sb``'s limits; the whole process tree is gone when this returns.
+    ``files`` are opened (read-only) for the command at fds 3, 4, ... (``Launcher.spawn``)."""
     if sb.over_quota:
         return ExecResult(
             exit_code=-1, stdout="", stderr=_quota_note(sb), timed_out=False, duration_s=0.0, truncated=False
@@ -131,6 +150,7 @@ async def spawn(sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | N
         rlimits=sb.rlimits(),
         uid=sb.identity.uid,
         gid=sb.identity.gid,
+        files=files or [],
     )
     flood = asyncio.Event()
     out = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)

@@ -21,13 +21,14 @@ SKIP = {".tmp"}
 """Per-command scratch that is never part of a workspace's state."""
 
 
-def materialize(task: Task, dest: Path) -> None:
-    """Write a task's files under ``dest`` (the template every sandbox of the task copies)."""
+def materialize(task: Task, dest: Path, prefix: str = "") -> None:
+    """Write a task's files under ``dest/prefix`` (the template every sandbox of the task
+    copies, or, for a task with an environment, the layer over its repository)."""
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    (tmp / prefix).mkdir(parents=True)
     for rel, text in task.files.items():
-        f = tmp / rel
+        f = tmp / prefix / rel
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(text)
     os.replace(tmp, dest)

@@ -11,10 +11,18 @@ A task is a small repository with a problem, SWE-bench style:
 - ``solution``: optional reference contents of the files a correct fix changes
   (used to validate the task and to build demonstrations).
 
+- ``environment``: optional name of an environment the suite declares
+  (``kiln.shared.environments``: a base system, a uv-built virtualenv and the
+  repository at its commit); the task's ``files`` are then written over that repository
+  (a synthesized bug, an instance's own state), and its tests run with that
+  environment's interpreter and packages.
+
 A suite is a JSONL file (one task per line), a directory of task folders
-(``<id>/task.toml``, ``<id>/repo/``, ``<id>/tests/``, optional ``<id>/solution/``), or
-``builtin`` (the JSONL shipped in this package), or ``constants`` (a procedurally
-generated family of configuration fixes: ``kiln.shared.tasks.constants``).
+(``<id>/task.toml``, ``<id>/repo/``, ``<id>/tests/``, optional ``<id>/solution/``), a
+TOML suite file (``tasks = "tasks.jsonl"`` and ``[[environments]]``), or ``builtin``
+(the JSONL shipped in this package), or ``constants`` (a procedurally generated family of
+configuration fixes: ``kiln.shared.tasks.constants``). A directory suite declares its
+environments in ``environments.toml``. Every environment a task names must be declared.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kiln.shared.environments import EnvironmentSpec, parse_environments
 
 BUILTIN = Path(__file__).parent / "builtin.jsonl"
 
@@ -43,6 +53,7 @@ class Task(BaseModel):
     solution: dict[str, str] | None = None
     timeout_s: float = 60.0
     metadata: dict = Field(default_factory=dict)
+    environment: str | None = None
 
     @field_validator("files", "test_files", "solution")
     @classmethod
@@ -62,13 +73,16 @@ class Task(BaseModel):
 
 
 class TaskSuite:
-    def __init__(self, tasks: list[Task], source: str):
+    def __init__(self, tasks: list[Task], source: str, environments: list[EnvironmentSpec] = ()):
         self.source = source
         self.tasks = tasks
+        self.environments = {e.name: e for e in environments}
         self._by_id = {}
         for t in tasks:
             if t.id in self._by_id:
                 raise ValueError(f"duplicate task id {t.id!r} in {source}")
+            if t.environment and t.environment not in self.environments:
+                raise ValueError(f"task {t.id!r} names environment {t.environment!r}, which {source} does not declare")
             self._by_id[t.id] = t
 
     def get(self, task_id: str) -> Task:
@@ -105,9 +119,21 @@ def _constants() -> TaskSuite:
 def _load(path: str) -> TaskSuite:
     p = Path(path)
     if p.is_dir():
-        return TaskSuite([_load_dir_task(d) for d in sorted(p.iterdir()) if (d / "task.toml").exists()], path)
+        envs = p / "environments.toml"
+        environments = parse_environments(tomllib.loads(envs.read_text()), p) if envs.is_file() else []
+        return TaskSuite([_load_dir_task(d) for d in sorted(p.iterdir()) if (d / "task.toml").exists()], path, environments)
     if not p.is_file():
         raise FileNotFoundError(f"task suite not found: {path}")
+    if p.suffix == ".toml":
+        manifest = tomllib.loads(p.read_text())
+        if "tasks" not in manifest:
+            raise ValueError(f"{path}: a TOML suite names its tasks file (tasks = \"tasks.jsonl\")")
+        return TaskSuite(_read_jsonl((p.parent / manifest["tasks"]).resolve()), path, parse_environments(manifest, p.parent))
+    return TaskSuite(_read_jsonl(p), path)
+
+
+def _read_jsonl(p: Path) -> list[Task]:
+    path = str(p)
     tasks = []
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if line.strip():
@@ -115,7 +141,7 @@ def _load(path: str) -> TaskSuite:
                 tasks.append(Task.model_validate(json.loads(line)))
             except Exception as e:
                 raise ValueError(f"{path}:{n}: invalid task: {e}") from e
-    return TaskSuite(tasks, path)
+    return tasks
 
 
 def _read_tree(root: Path) -> dict[str, str]:

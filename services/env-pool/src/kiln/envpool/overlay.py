@@ -1,0 +1,260 @@
+"""Copy-on-write sandbox roots: an environment's read-only layers under one overlayfs
+mount per sandbox, the sandbox's own upper directory on top.
+
+A layer is a directory tree whose root stands for the sandbox's ``/`` (the repository
+under ``workspace/``, a virtualenv under ``opt/kiln/venv/``, or a whole root file
+system). A sandbox's view lives in its own folder: ``upper/`` (its writes), ``work/``
+(overlayfs's scratch), ``l<i>/`` (idmapped clones of the layers it may own) and
+``root/`` (the merged tree that bubblewrap binds).
+
+Invariants:
+- nothing is copied at create: the layers sit read-only beneath (``lowerdir``), the
+  sandbox's writes land in ``upper/``, which alone counts against its quota, and a layer
+  is never written (overlayfs copies a file up before its first change);
+- the sandbox's host uid owns its workspace without a chown walk and without touching
+  the layer: the layers it may edit (the repository, the task's own files, a fork's
+  frozen state) are reached through idmapped mounts that show their owner (root, who
+  built them) as the sandbox's uid; other layers (a virtualenv, a root file system)
+  stay root's and read-only to it;
+- ``unmount`` undoes every mount of a view (lazily: a process still inside cannot pin
+  it); a node that died leaves mounts that ``unmount_below`` removes before its folder
+  is deleted.
+
+Needs root (CAP_SYS_ADMIN in the host's namespaces) and a kernel with idmapped mounts
+(5.19+ for idmapped overlay layers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # same numbers on x86_64 and arm64
+_OPEN_TREE_CLONE = 1
+_AT_FDCWD, _AT_EMPTY_PATH, _AT_RECURSIVE = -100, 0x1000, 0x8000
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_IDMAP = 0x1, 0x00100000
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MNT_DETACH = 2
+_MS_RDONLY = 1
+
+
+class OverlayError(RuntimeError):
+    """An overlay view could not be set up (missing privileges or kernel support)."""
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OverlayError(f"{what}: {os.strerror(err)}")
+    return ret
+
+
+class IdmapNamespaces:
+    """User namespaces whose only mapping is ``0 -> uid``, one per host uid, kept open:
+    an idmapped mount made with one shows files owned by root as owned by ``uid``."""
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[int, int], int] = {}
+
+    def fd(self, uid: int, gid: int) -> int:
+        key = (uid, gid)
+        if key not in self._fds:
+            self._fds[key] = _userns(uid, gid)
+        return self._fds[key]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _userns(uid: int, gid: int) -> int:
+    """A user namespace mapping 0 -> (uid, gid), held by an fd (its process is gone)."""
+    own = os.readlink("/proc/self/ns/user")
+    proc = subprocess.Popen(["unshare", "--user", "sleep", "infinity"], stdin=subprocess.DEVNULL)
+    try:
+        ns = f"/proc/{proc.pid}/ns/user"
+        deadline = time.monotonic() + 10
+        while os.readlink(ns) == own:  # unshare(2) has not run yet: a few hundred microseconds
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise OverlayError("could not create a user namespace for an idmapped mount")
+            time.sleep(0.0005)
+        Path(f"/proc/{proc.pid}/uid_map").write_text(f"0 {uid} 1\n")
+        Path(f"/proc/{proc.pid}/setgroups").write_text("deny\n")
+        Path(f"/proc/{proc.pid}/gid_map").write_text(f"0 {gid} 1\n")
+        return os.open(ns, os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _attach(source: Path, target: Path, userns_fd: int | None) -> None:
+    """Bind ``source`` at ``target`` read-only, idmapped through ``userns_fd`` if given."""
+    fd = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
+                f"open_tree {source}")  # fmt: skip
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_RDONLY | (_MOUNT_ATTR_IDMAP if userns_fd is not None else 0), 0, 0, userns_fd or 0)
+        _check(_libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
+               f"idmapping {source}")  # fmt: skip
+        _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
+               f"attaching {source}")  # fmt: skip
+    finally:
+        os.close(fd)
+
+
+def _umount(target: Path) -> None:
+    if _libc.umount2(os.fsencode(target), _MNT_DETACH) < 0:
+        err = ctypes.get_errno()
+        if err not in (22, 2):  # EINVAL: not a mount point (any more); ENOENT: gone
+            raise OverlayError(f"umount {target}: {os.strerror(err)}")
+
+
+@dataclass(frozen=True)
+class LowerLayer:
+    path: Path
+    owned: bool
+    """Shown as the sandbox's own (idmapped root -> its uid): the repository, the task's
+    files, a fork's frozen state. Otherwise root's and read-only to the sandbox."""
+
+
+@dataclass
+class OverlayView:
+    dir: Path
+    layers: tuple[LowerLayer, ...]
+    """Lowest first."""
+    mounts: list[Path] = field(default_factory=list)
+    """Every mount this view made, in order (undone in reverse)."""
+
+    @property
+    def upper(self) -> Path:
+        return self.dir / "upper"
+
+    @property
+    def root(self) -> Path:
+        return self.dir / "root"
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    def mount(self, uid: int | None, gid: int | None, namespaces: IdmapNamespaces) -> None:
+        """Mount the view (the caller made ``dir``; ``upper`` may hold a restored state)."""
+        for d in (self.upper, self.dir / "work", self.root):
+            d.mkdir(parents=True, exist_ok=True)
+        lowers: list[Path] = []
+        try:
+            for i, layer in enumerate(self.layers):
+                if layer.owned and uid is not None:
+                    target = self.dir / f"l{i}"
+                    target.mkdir(exist_ok=True)
+                    _attach(layer.path, target, namespaces.fd(uid, gid if gid is not None else uid))
+                    self.mounts.append(target)
+                    lowers.append(target)
+                else:
+                    lowers.append(layer.path)
+            # overlayfs lists lower directories topmost first.
+            opts = f"lowerdir={':'.join(str(p) for p in reversed(lowers))},upperdir={self.upper},workdir={self.dir / 'work'}"
+            _check(_libc.mount(b"overlay", os.fsencode(self.root), b"overlay", 0, opts.encode()), f"mount overlay at {self.root}")
+            self.mounts.append(self.root)
+            if uid is not None:
+                os.chown(self.upper, uid, gid if gid is not None else uid)
+                ws = self.workspace
+                ws.mkdir(exist_ok=True)
+                os.chown(ws, uid, gid if gid is not None else uid)
+        except BaseException:
+            self.unmount()
+            raise
+
+    def unmount(self) -> None:
+        while self.mounts:
+            _umount(self.mounts.pop())
+
+
+def unmount_below(folder: Path) -> int:
+    """Detach every mount under ``folder`` (a dead node's views); returns how many."""
+    prefix = str(folder.resolve()).rstrip("/") + "/"
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split(" ")[4].encode().decode("unicode_escape")
+        if point.startswith(prefix):
+            points.append(point)
+    for point in sorted(points, key=len, reverse=True):
+        _umount(Path(point))
+    return len(points)
+
+
+def supported() -> str | None:
+    """None when overlay views can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "environment sandboxes need env-pool to run as root (overlayfs and idmapped mounts)"
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        return "the kernel has no overlayfs (modprobe overlay)"
+    return None
+
+
+# --- the upper directory as changes --------------------------------------------------
+
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_MARKER = ".wh..wh..opq"
+_OPAQUE_XATTR = "trusted.overlay.opaque"
+
+
+def is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def is_opaque(path: Path) -> bool:
+    try:
+        return os.getxattr(path, _OPAQUE_XATTR, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def make_whiteout(path: Path) -> None:
+    os.mknod(path, stat.S_IFCHR | 0o000, 0)
+
+
+def make_opaque(path: Path) -> None:
+    os.setxattr(path, _OPAQUE_XATTR, b"y", follow_symlinks=False)
+
+
+def copy_upper(src: Path, dst: Path, uid: int = 0, gid: int = 0) -> None:
+    """Copy an upper directory (files, links, whiteouts, opaque marks, modes) to ``dst``,
+    every entry owned by ``uid``: a fork's frozen layer (root's, idmapped later) or a
+    restored upper (the new sandbox's)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for dirpath, dirs, files in os.walk(src):
+        here = Path(dirpath)
+        out = dst / here.relative_to(src)
+        for name in dirs + files:
+            s, d = here / name, out / name
+            st = os.lstat(s)
+            if stat.S_ISDIR(st.st_mode):
+                d.mkdir(exist_ok=True)
+                os.chmod(d, stat.S_IMODE(st.st_mode))
+                if is_opaque(s):
+                    make_opaque(d)
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(s), d)
+            elif is_whiteout(st):
+                make_whiteout(d)
+            elif stat.S_ISREG(st.st_mode):
+                with open(s, "rb") as fin, open(d, "wb") as fout:
+                    while chunk := fin.read(1 << 20):
+                        fout.write(chunk)
+                os.chmod(d, stat.S_IMODE(st.st_mode))
+            else:
+                continue  # sockets, fifos: not state a sandbox can hand on
+            os.chown(d, uid, gid, follow_symlinks=False)
+    os.chown(dst, uid, gid)

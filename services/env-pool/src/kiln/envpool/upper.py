@@ -1,0 +1,159 @@
+"""An environment sandbox's state is its overlay upper directory: what it changed over
+its environment's layers. This module turns that state into a portable snapshot and back,
+and into a diff against the layers.
+
+Snapshot format: a gzipped tar of the upper directory in the OCI layer convention: a
+deleted path is an empty file ``.wh.<name>`` beside where it was, a directory that
+replaced a lower one holds an empty ``.wh..wh..opq``. Only regular files, directories
+and links inside the tree travel (``tarfile``'s ``data`` filter on restore), so a crafted
+archive cannot write outside the new sandbox's upper directory; a snapshot resumes on
+any node that has the same environment digest.
+
+Invariant: ``diff`` reads only the upper directory and the layers' files it names, never
+the whole repository: its cost follows what the agent changed, not the repository size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import stat
+import tarfile
+from pathlib import Path
+
+from kiln.envpool.overlay import OPAQUE_MARKER, WHITEOUT_PREFIX, copy_upper, is_opaque, is_whiteout, make_opaque, make_whiteout
+from kiln.envpool.workspace import MAX_DIFF_FILE, SKIP
+
+
+def snapshot(upper: Path) -> tuple[bytes, str]:
+    """The upper directory as an OCI-convention layer tarball, and its sha256."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+        for dirpath, dirs, files in os.walk(upper):
+            dirs.sort()
+            here = Path(dirpath)
+            rel = here.relative_to(upper)
+            if here != upper:
+                tar.add(here, arcname=str(rel), recursive=False)
+                if is_opaque(here):
+                    _empty(tar, rel / OPAQUE_MARKER)
+            for name in sorted(files):
+                st = os.lstat(here / name)
+                if is_whiteout(st):
+                    _empty(tar, rel / f"{WHITEOUT_PREFIX}{name}")
+                elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    tar.add(here / name, arcname=str(rel / name), recursive=False)
+            for name in [d for d in dirs if os.path.islink(here / d)]:
+                tar.add(here / name, arcname=str(rel / name), recursive=False)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _empty(tar: tarfile.TarFile, arcname: Path) -> None:
+    info = tarfile.TarInfo(str(arcname))
+    info.size = 0
+    tar.addfile(info, io.BytesIO(b""))
+
+
+def restore(data: bytes, sha256: str | None, upper: Path, uid: int, gid: int) -> None:
+    """Unpack a ``snapshot`` as ``upper`` (which must not exist), owned by ``uid``."""
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError("snapshot does not match its sha256")
+    staging = upper.with_name(upper.name + ".unpack")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        tar.extractall(staging, filter="data")
+    for dirpath, _dirs, files in os.walk(staging):
+        here = Path(dirpath)
+        for name in files:
+            if name == OPAQUE_MARKER:
+                os.unlink(here / name)
+                make_opaque(here)
+            elif name.startswith(WHITEOUT_PREFIX):
+                os.unlink(here / name)
+                make_whiteout(here / name[len(WHITEOUT_PREFIX) :])
+    copy_upper(staging, upper, uid, gid)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str], list[str]]:
+    """(changed text files, deleted paths, changed entries not carried: binary, too large,
+    links, mode-only changes) of a workspace whose writes are ``upper_ws`` over the
+    ``lowers`` workspace folders (topmost first), the contract of ``workspace.diff``."""
+    changed: dict[str, str] = {}
+    deleted: set[str] = set()
+    other: list[str] = []
+    if not upper_ws.is_dir():
+        return changed, [], []
+    for dirpath, dirs, files in os.walk(upper_ws):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(upper_ws)
+        if here == upper_ws:
+            dirs[:] = [d for d in dirs if d not in SKIP]
+        if here != upper_ws and is_opaque(here):  # replaced a lower directory: its old files are gone
+            present = {str(rel_dir / p.relative_to(here)) for p in here.rglob("*")}
+            deleted |= {f for f in _lower_files(lowers, rel_dir) if f not in present}
+        for name in files + [d for d in dirs if os.path.islink(here / d)]:
+            full, rel = here / name, str(rel_dir / name)
+            st = os.lstat(full)
+            if is_whiteout(st):
+                deleted |= set(_lower_files(lowers, rel_dir / name))
+                continue
+            before = _find(lowers, rel)
+            if stat.S_ISLNK(st.st_mode):
+                if before is None or not before.is_symlink() or os.readlink(before) != os.readlink(full):
+                    other.append(rel)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            data = full.read_bytes()
+            if before is not None and before.is_file() and not before.is_symlink() and before.read_bytes() == data:
+                if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(st.st_mode):
+                    other.append(rel)  # a mode change only
+                continue  # copied up (opened for writing, touched, chowned) but unchanged
+            if len(data) > MAX_DIFF_FILE:
+                other.append(rel)
+                continue
+            try:
+                changed[rel] = data.decode()
+            except UnicodeDecodeError:
+                other.append(rel)
+    return changed, sorted(deleted - set(changed)), sorted(other)
+
+
+def _find(lowers: list[Path], rel: str) -> Path | None:
+    """The file a path shows in the merged lowers (topmost wins; a whiteout hides it)."""
+    for layer in lowers:
+        p = layer / rel
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        return None if is_whiteout(st) else p
+    return None
+
+
+def _lower_files(lowers: list[Path], rel: Path) -> list[str]:
+    """Every file the lowers show at or under ``rel`` (a file or a directory)."""
+    seen: set[str] = set()
+    hidden: set[str] = set()
+    out: list[str] = []
+    for layer in lowers:
+        top = layer / rel
+        if not (top.exists() or top.is_symlink()):
+            continue
+        items = [top] if not top.is_dir() or top.is_symlink() else [p for p in top.rglob("*")]
+        for p in items:
+            r = str(p.relative_to(layer))
+            if r in seen or any(r == h or r.startswith(h + "/") for h in hidden):
+                continue
+            seen.add(r)
+            st = os.lstat(p)
+            if is_whiteout(st):
+                hidden.add(r)
+            elif not stat.S_ISDIR(st.st_mode):
+                out.append(r)
+    return out
