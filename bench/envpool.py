@@ -117,11 +117,13 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         rows.append(row("(a) bare subprocess `true`", a))
 
         # (b) bare bwrap with the sandbox's own arguments
+        # Each node process works in its own folder (``<node id>-<pid>``): ask each where.
+        roots = [Path((await pool.stats(name)).workspace_root) for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]]
         ref = await pool.create("fix-calc")
         reply = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="fix-calc"), c.SandboxCreated)
         from kiln.envpool import bwrap as bw
 
-        etc = Path(reply.workspace).parent.parent / "etc"
+        etc = next(r for r in roots if Path(reply.workspace).is_relative_to(r)) / "etc"
         system = bw.system_args(cfg.envpool.ro_binds, etc)
         ws = Path(reply.workspace)
         sb = bw.BwrapSandbox("b", ws, Limits.from_settings(cfg.envpool), Identity(), None, None, system=system)
@@ -199,11 +201,12 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         for i in range(0, idle, 32):
             held += await asyncio.gather(*(pool.create("fix-calc") for _ in range(min(32, idle - i))))
         took = time.perf_counter() - t
-        shm = subprocess.run(["du", "-sm", "/dev/shm/kiln-envpool/bench"], capture_output=True, text=True).stdout.split()[0]
+        du = subprocess.run(["du", "-smc", *map(str, roots)], capture_output=True, text=True, check=True)
+        shm = du.stdout.splitlines()[-1].split()[0]  # the total line: every node's workspaces
         mem = (
             f"{len(held)} idle leased sandboxes created in {took:.1f} s; env-pool RSS {rss_mib(node.pid):.0f} MiB "
             f"(+{rss_mib(node.pid) - before:.0f} MiB for them), nats-server RSS {rss_mib(nats.proc.pid):.0f} MiB, "
-            f"workspaces {shm} MiB of tmpfs"
+            f"workspaces {shm} MiB of {'tmpfs' if all(str(r).startswith('/dev/shm/') for r in roots) else 'disk'}"
         )
         await asyncio.gather(*(pool.destroy(r) for r in held))
     finally:

