@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import nats.js.errors
-from kiln.envpool import bwrap
+from kiln.envpool import bwrap, overlay
 from kiln.envpool.api import build_app
 from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolConfig, EnvPoolSettings
@@ -63,6 +63,7 @@ def workspace_root(s: EnvPoolSettings, run_dir: str, node_id: str) -> Path:
         for old in base.glob(f"{node_id}-*"):
             pid = old.name.rsplit("-", 1)[1]
             if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+                overlay.unmount_below(old)  # its environment sandboxes' views outlive it
                 shutil.rmtree(old, ignore_errors=True)
                 log.info("removed the workspaces of a dead env-pool: %s", old)
     return base / f"{node_id}-{os.getpid()}"
@@ -138,10 +139,18 @@ async def serve(ctx: ServiceContext) -> None:
         raise
     cgroups = CgroupManager(node_id)
     put, get = await snapshot_store(ctx, s.snapshot_ttl_s)
+    environments = None
+    why_not = "the process backend isolates nothing" if s.backend != "bwrap" else overlay.supported()
+    if why_not is None:
+        from kiln.envpool.environments import EnvironmentCache, NatsLayerStore
+
+        environments = EnvironmentCache(Path(s.environments_root), s.environments_budget_bytes, NatsLayerStore(ctx.bus.js))
+    else:
+        log.info("this node serves no environment tasks: %s", why_not)
     index = SemanticIndex(mode=s.semantic_mode)
     pool = SandboxPool(
         s, load_suite(cfg.tasks.suite), root, factory, cgroups,
-        put_snapshot=put, get_snapshot=get, on_destroy=lambda ws: index.forget(ws.resolve()),
+        put_snapshot=put, get_snapshot=get, on_destroy=lambda ws: index.forget(ws.resolve()), environments=environments,
     )  # fmt: skip
     metrics = NodeMetrics(pool)
     if s.semantic_mode != "bm25":
