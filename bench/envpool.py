@@ -128,6 +128,11 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         ws = Path(reply.workspace)
         sb = bw.BwrapSandbox("b", ws, Limits.from_settings(cfg.envpool), Identity(), None, None, system=system)
         argv = sb.argv(["true"])  # bwrap with the sandbox's own arguments, nothing around it
+
+        def node_files() -> None:  # what the launcher's zygote does: the node's files at fds 3, 4, ...
+            for fd, path in enumerate(system.files, 3):
+                os.dup2(os.open(path, os.O_RDONLY), fd)
+
         zygotes = [_Pid(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_zygote(p)]
         call = c.ToolCall(id="t", name="run_terminal_cmd", arguments={"command": "true"})
 
@@ -147,7 +152,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         b = []
         for _ in range(n):
             t = time.perf_counter()
-            subprocess.run(argv, check=True)
+            subprocess.run(argv, check=True, preexec_fn=node_files, pass_fds=range(3, 3 + len(system.files)))
             b.append(time.perf_counter() - t)
         cseq = [await lifecycle() for _ in range(n)]
         rows.append(row("(b) bare `bwrap ... true`", b))

@@ -12,9 +12,11 @@ say() { printf '[setup] %s\n' "$*"; }
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || {
   say "Python >= 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11"; exit 1; }
 
-# --- system packages: bubblewrap + ripgrep (sandboxes, grep tool), PostgreSQL server (tests, embedded DB), chromium (dashboard test)
+# --- system packages: bubblewrap + libseccomp + ripgrep (sandboxes, grep tool), PostgreSQL server (tests, embedded DB), chromium (dashboard test)
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
+# libseccomp: env-pool compiles the sandboxes' seccomp filter with it (kiln.envpool.seccomp).
+ls /usr/lib/*/libseccomp.so.2 /lib/*/libseccomp.so.2 /usr/lib64/libseccomp.so.2 2>/dev/null | grep -q . || need+=(libseccomp2)
 command -v rg >/dev/null || need+=(ripgrep)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || need+=(postgresql)
 # Headless Chromium: the dashboard test renders the pages in a real browser.

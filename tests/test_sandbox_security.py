@@ -1,6 +1,7 @@
 """The bubblewrap sandbox against real attacks, through a real env-pool node over a real
 nats-server: no network (not even the NATS port on the host's loopback), no view of the
-host or of other sandboxes, no writes outside the workspace, and a fork bomb, a memory
+host or of other sandboxes, no host path inside, a seccomp filter (no new namespaces,
+ptrace or mount), no writes outside the workspace, and a fork bomb, a memory
 hog, an infinite loop, a 1 GB output and two disk fillers each contained while the node
 keeps serving another sandbox. Path escapes are refused by every file tool."""
 
@@ -88,6 +89,81 @@ async def test_no_view_of_the_host_or_other_sandboxes(node):
     if os.geteuid() == 0:  # as root, each sandbox is its own unprivileged host uid
         owners = {os.stat(os.path.join(root, f)).st_uid for root, _, files in os.walk(made.workspace) for f in files}
         assert owners and 0 not in owners
+
+
+SYSCALL_PROBE = r"""
+import ctypes, errno, os, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+def err(r):
+    return f"{r} {errno.errorcode.get(ctypes.get_errno()) if r == -1 else 'ok'}"
+child = os.fork()  # its own child: only seccomp stops a ptrace of it (same uid, dumpable)
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+print("ptrace", err(libc.ptrace(16, child, 0, 0)))  # PTRACE_ATTACH
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+print("process_vm_readv", err(libc.process_vm_readv(child, iov, 1, iov, 1, 0)))
+os.kill(child, 9)
+print("mount", err(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)))
+print("unshare", err(libc.unshare(0x10000000)))  # CLONE_NEWUSER
+print("clone", err(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)))  # clone(CLONE_NEWUSER | SIGCHLD)
+print("personality-query", libc.personality(0xFFFFFFFF))
+print("personality-no-aslr", err(libc.personality(0x0040000)))
+t = threading.Thread(target=print, args=("thread ok",))  # clone3 is ENOSYS: glibc falls back to clone
+t.start()
+t.join()
+"""
+
+
+async def test_seccomp_denies_namespaces_ptrace_and_mounts(node):
+    """A seccomp filter is on every command: no new user namespace (the way back to
+    capabilities), no ptrace or reading another process's memory, no mount, no unsafe
+    personality, no foreign ABI (an x32 syscall kills); threads and ordinary work still run."""
+    pool, _ = node
+    ref = await pool.create("fix-calc")
+    r = await pool.exec(
+        ref,
+        f"grep Seccomp: /proc/self/status; unshare -U true; echo unshare-U=$?; unshare -r true; echo unshare-r=$?; "
+        f"python3 -c {shlex.quote(SYSCALL_PROBE)}; "
+        "python3 -c 'import ctypes; ctypes.CDLL(None).syscall(0x40000000 | 39)'; echo x32=$?; "  # x32 getpid
+        "setarch -R true; echo setarch-R=$?; echo 'print(6 * 7)' > a.py && python3 a.py",
+        30,
+    )
+    out = r.stdout
+    assert "Seccomp:\t2" in out, r
+    assert "unshare-U=1" in out and "unshare-r=1" in out and "Operation not permitted" in r.stderr, r
+    for call in ("ptrace", "process_vm_readv", "mount", "unshare", "clone"):
+        assert f"\n{call} -1 EPERM\n" in out, (call, r)
+    assert "personality-query 0\n" in out and "personality-no-aslr -1 EPERM" in out, r
+    assert "thread ok" in out, r
+    assert "x32=159" in out, r  # 128 + SIGSYS: the process is killed, not just refused
+    assert "setarch-R=0" not in out and out.endswith("\n42\n"), r
+
+
+async def test_no_host_path_inside(node):
+    """Nothing a sandboxed process can read names the node's folder (``<base>/<node>-<pid>``):
+    not pid 1's argv or environment (the command is pid 1: no bwrap process inside), not any
+    visible process's, not its open fds, not the cgroup. One known exception: the
+    ``/workspace`` line of mountinfo shows the bind source's path inside its filesystem
+    (``/kiln-envpool/<node>-<pid>/ws/<sandbox>``, relative to ``/dev/shm``): only a workspace
+    that is a mount of its own would hide it."""
+    pool, _ = node
+    made = await pool.bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="fix-calc"), c.SandboxCreated)
+    ws = Path(made.workspace)
+    token = f"sec-node-{os.getpid()}"  # the node's folder: env-pool runs in this process
+    root = next(p for p in ws.parents if p.name == token)
+    r = await pool.exec(
+        made.sandbox,
+        "sleep 5 & for p in /proc/[0-9]*; do echo \"== $p\"; tr '\\0' ' ' < $p/cmdline; echo; tr '\\0' ' ' < $p/environ; echo; "
+        "ls -l $p/fd; done; cat /proc/self/mountinfo /proc/self/cgroup /proc/self/mounts; kill %1",
+        20,
+    )
+    out = r.stdout
+    assert "== /proc/1\nbash -c sleep 5" in out, r  # pid 1 is the command itself
+    assert "bwrap" not in out and "/dev/shm" not in out and str(root) not in out, r
+    leaks = [line for line in out.splitlines() if token in line]
+    assert len(leaks) == 1 and leaks[0].split()[4] == "/workspace", leaks  # the known one (mountinfo)
 
 
 async def test_cannot_write_outside_the_workspace(node):

@@ -1,14 +1,37 @@
 """The bubblewrap backend: every command in its own set of Linux namespaces.
 
-Each ``run`` starts ``bwrap`` with: all namespaces unshared (user, pid, ipc, uts, net:
-only a loopback of its own, so no host service, NATS included, is reachable), a
-cleared environment, ``--die-with-parent`` and ``--new-session``, the system
-(``/usr`` and a short list of ``/etc`` files) mounted read-only, a synthetic
-``/etc/passwd``, a read-only root, a private size-limited tmpfs at ``/tmp``, and the
-workspace as the only writable host path, at ``/workspace``. Inside it runs as uid/gid 1000; on the
-host, when env-pool is root, as the sandbox's own unprivileged uid (see
-``Identity``), so even a sandbox escape lands in an account that owns nothing but
-its workspace. The pid namespace dies with the command: nothing survives a ``run``.
+Each ``run`` starts ``bwrap`` with: all namespaces unshared (user, pid, ipc, uts, cgroup,
+net: only a loopback of its own, so no host service, NATS included, is reachable), a
+cleared environment, ``--die-with-parent`` and ``--new-session``, the system (``/usr``
+and a short list of ``/etc`` files) mounted read-only, a synthetic ``/etc/passwd`` and
+``/etc/group``, a read-only root, a private size-limited tmpfs at ``/tmp``, and the
+workspace as the only writable host path, at ``/workspace``. Inside it runs as uid/gid
+1000 with no capabilities; on the host, when env-pool is root, as the sandbox's own
+unprivileged uid (see ``Identity``), so even a sandbox escape lands in an account that
+owns nothing but its workspace. The pid namespace dies with the command: nothing
+survives a ``run``.
+
+A seccomp filter (``seccomp.py``; ``envpool.seccomp``, on by default) denies what a
+coding command never needs and a kernel exploit or an escape would: ptrace and other
+processes' memory, every mount syscall, new namespaces (``unshare``, ``setns``,
+``clone`` with a namespace flag, ``clone3``), the keyring, BPF, perf, io_uring,
+userfaultfd, modules, kexec, reboot, swap, clocks, file handles, and any ABI but the
+native one. It is compiled with libseccomp once per node into ``<node>/etc/seccomp.bpf``
+and bwrap loads it (``--seccomp``) right before it execs the command, after its own
+mounts.
+
+No host path of the node is visible inside, with one exception. The command is pid 1
+of its namespace (``--as-pid-1``: no bwrap process, whose argv names the node's folder,
+is in the sandbox; as pid 1 the command also reaps orphans, and its exit ends the
+namespace). The files bwrap reads (the filter, ``passwd``, ``group``) reach it as file
+descriptors that the launcher's zygote opens for each command (``System.files``, fds 3,
+4, ...; bwrap closes them before the exec), and ``passwd`` and ``group`` are copies
+bwrap makes (``--ro-bind-data``), so mountinfo shows ``/bindfileXXXXXX`` for them, not
+the node's folder. The exception: the ``/workspace`` line of ``/proc/self/mountinfo``.
+A bind mount shows its source's path inside the filesystem it comes from (here
+``/kiln-envpool/<node>-<pid>/ws/<sandbox>``, relative to ``/dev/shm``); only a workspace
+that is a mount of its own would hide it. Mountinfo also shows the host's devices and
+the options of the filesystems bound in (``/usr``'s device, the tmpfs sizes).
 """
 
 from __future__ import annotations
@@ -16,12 +39,14 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.shared.bus import ServiceError
 from kiln.shared.contracts import ExecResult
 
-from kiln.envpool.launcher import Launcher
+from kiln.envpool import seccomp as _seccomp
+from kiln.envpool.launcher import FIRST_FILE_FD, Launcher
 from kiln.envpool.sandbox import SANDBOX_PATH, Identity, Limits, Sandbox, spawn
 
 INNER_UID = 1000
@@ -40,20 +65,57 @@ def bwrap_binary() -> str:
     return found
 
 
-def system_args(ro_binds: list[str], etc_dir: Path) -> list[str]:
-    """The read-only system every sandbox sees (computed once per node)."""
-    args: list[str] = []
+@dataclass(frozen=True)
+class System:
+    """What every sandbox of a node sees (computed once per node), as bwrap options: the
+    read-only host system (``mounts``), ``/etc/passwd`` and ``/etc/group`` (``identity``)
+    and the seccomp filter (``seccomp``, empty when off). ``files`` are the host files the
+    launcher opens for each command at fds 3, 4, ... in this order; the options name those fds."""
+
+    mounts: list[str]
+    identity: list[str]
+    seccomp: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def sources(self) -> list[str]:
+        """Every host path a command needs (a missing one means a broken node)."""
+        return [self.mounts[i + 1] for i, a in enumerate(self.mounts) if a == "--ro-bind"] + self.files
+
+
+def system_args(ro_binds: list[str], etc_dir: Path, seccomp: bool = True) -> System:
+    """The read-only system every sandbox sees (computed once per node, with the seccomp
+    filter when ``seccomp``; ``write_identity_files(etc_dir)`` first)."""
+    mounts: list[str] = []
+    files: list[str] = []
+
+    def fd(path: Path) -> str:
+        files.append(str(path))
+        return str(FIRST_FILE_FD + len(files) - 1)
+
     for p in ro_binds:
         if os.path.exists(p):
-            args += ["--ro-bind", p, p]
+            mounts += ["--ro-bind", p, p]
     for name in _USRMERGE:
         top = Path("/") / name
         if top.is_symlink():
-            args += ["--symlink", os.readlink(top), str(top)]
+            mounts += ["--symlink", os.readlink(top), str(top)]
         elif top.is_dir():
-            args += ["--ro-bind", str(top), str(top)]
-    args += ["--ro-bind", str(etc_dir / "passwd"), "/etc/passwd", "--ro-bind", str(etc_dir / "group"), "/etc/group"]
-    return args
+            mounts += ["--ro-bind", str(top), str(top)]
+    # Copied by bwrap into a file of its own, not bound from the node's folder: a bind
+    # mount shows its source's host path in /proc/self/mountinfo.
+    identity: list[str] = []
+    for name in ("passwd", "group"):
+        identity += ["--perms", "0644", "--ro-bind-data", fd(etc_dir / name), f"/etc/{name}"]
+    filter_args: list[str] = []
+    if seccomp:
+        bpf = etc_dir / "seccomp.bpf"
+        tmp = bpf.with_suffix(".tmp")
+        tmp.write_bytes(_seccomp.compile_filter())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, bpf)
+        filter_args = ["--seccomp", fd(bpf)]
+    return System(mounts, identity, filter_args, files)
 
 
 def write_identity_files(etc_dir: Path) -> None:
@@ -65,12 +127,27 @@ def write_identity_files(etc_dir: Path) -> None:
 
 
 class BwrapSandbox(Sandbox):
-    def __init__(self, *args, system: list[str], **kwargs):
+    def __init__(self, *args, system: System, **kwargs):
         super().__init__(*args, **kwargs)
         self.system = system
-        self.sources = [system[i + 1] for i, a in enumerate(system) if a == "--ro-bind"] + [str(self.workspace)]
+        self.sources = system.sources + [str(self.workspace)]
+
+    def filesystem(self) -> list[str]:
+        """The mounts: today's read-only host system with the workspace bound in, or, for
+        an environment sandbox (``overlay.py``), its merged view: the whole root for a
+        root file system base, ``/workspace`` and ``/opt/kiln`` over the host system else."""
+        tmp = ["--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp"]
+        env, view = self.environment, self.view
+        if view is not None and not env.host_base:
+            return ["--bind", str(view.root), "/", *self.system.identity, *tmp]
+        mounts = [*self.system.mounts, *self.system.identity, *tmp, "--bind", str(self.workspace), "/workspace"]
+        if view is not None and (view.root / "opt" / "kiln").is_dir():
+            mounts += ["--ro-bind", str(view.root / "opt" / "kiln"), "/opt/kiln"]
+        return [*mounts, "--remount-ro", "/"]  # the root bwrap builds is a tmpfs: writable unless we say so
 
     def argv(self, argv: list[str]) -> list[str]:
+        env_path = list(self.environment.path) if self.environment is not None else []
+        env_vars = [x for k, v in (self.environment.env.items() if self.environment is not None else ()) for x in ("--setenv", k, v)]
         return [
             bwrap_binary(),
             "--unshare-all",
@@ -80,19 +157,17 @@ class BwrapSandbox(Sandbox):
             "--hostname", "sandbox",
             "--die-with-parent",
             "--new-session",
+            "--as-pid-1",  # no bwrap process (its argv names host paths) inside the sandbox
             "--clearenv",
-            "--setenv", "PATH", SANDBOX_PATH,
+            "--setenv", "PATH", ":".join([*env_path, SANDBOX_PATH]),
             "--setenv", "HOME", "/workspace",
             "--setenv", "TMPDIR", "/tmp",
             "--setenv", "LANG", "C.UTF-8",
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--setenv", "PYTHONUNBUFFERED", "1",
-            *self.system,
-            "--proc", "/proc",
-            "--dev", "/dev",
-            "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
-            "--bind", str(self.workspace), "/workspace",
-            "--remount-ro", "/",  # the root bwrap builds is a tmpfs: writable unless we say so
+            *env_vars,
+            *self.system.seccomp,
+            *self.filesystem(),
             "--chdir", "/workspace",
             "--",
             *argv,
@@ -105,10 +180,10 @@ class BwrapSandbox(Sandbox):
         missing = [p for p in self.sources if not os.path.exists(p)]
         if missing:
             raise ServiceError(f"sandbox {self.id} cannot start: {', '.join(missing)} no longer exist on this node", "sandbox_broken")
-        return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={})
+        return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={}, files=self.system.files)
 
 
-async def probe(system: list[str], identity: Identity, workspace: Path, launcher: Launcher) -> None:
+async def probe(system: System, identity: Identity, workspace: Path, launcher: Launcher) -> None:
     """Run ``true`` the way sandboxes will; raise ``BwrapError`` with bwrap's reason if it fails."""
     sb = BwrapSandbox("probe", workspace, _PROBE_LIMITS, identity, None, launcher, system=system)
     r = await sb.run(["true"], 30)

@@ -64,6 +64,13 @@ class EnvPoolSettings(Section):
     """A workspace above this after a command is reported and refuses further commands."""
     sandbox_uid_base: int = 200_000
     """As root, sandbox slot ``n`` runs as host uid/gid ``base + n`` (one uid per sandbox)."""
+    seccomp: bool = True
+    """``bwrap`` backend: a seccomp filter on every sandboxed command (``kiln.envpool.seccomp``,
+    compiled with libseccomp once per node): ptrace and other processes' memory, mount
+    syscalls, new namespaces (``unshare``, ``setns``, namespace flags of ``clone``, ``clone3``),
+    keyring, BPF, perf, io_uring, userfaultfd, modules, kexec, reboot, swap, clock setting and
+    file handles fail with EPERM (``clone3`` with ENOSYS, so glibc falls back to ``clone``); a
+    foreign ABI (x32, i386) kills the process. Off only to debug a tool the filter breaks."""
     ro_binds: list[str] = Field(default_factory=lambda: ["/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl", "/etc/localtime"])
     """Host paths mounted read-only into every sandbox (missing ones are skipped)."""
     max_read_bytes: int = 256 * 1024

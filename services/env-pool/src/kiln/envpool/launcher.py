@@ -28,6 +28,8 @@ from pathlib import Path
 log = logging.getLogger("kiln.envpool.launcher")
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
+FIRST_FILE_FD = 3
+"""``spawn(files=[...])`` opens them in the child at this fd and the next ones, in order."""
 
 
 @dataclass
@@ -117,7 +119,11 @@ class Launcher:
         rlimits: list[tuple[int, int]],
         uid: int | None,
         gid: int | None,
+        files: list[str] | None = None,
     ) -> Child:
+        """Start ``argv``; ``files`` are opened read-only in the child, as its uid, at fds 3,
+        4, ... (the only fds it has beyond 0-2): a fresh open file per command, so a program
+        that reads one to its end (``bwrap --seccomp``) leaves it whole for the next."""
         loop = asyncio.get_running_loop()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -125,7 +131,7 @@ class Launcher:
         rid = next(self._ids)
         pending = _Pending(loop.create_future(), loop.create_future())
         self._pending[rid] = pending
-        req = {"id": rid, "argv": argv, "env": env, "cwd": cwd, "cgroups": cgroups, "rlimits": rlimits, "uid": uid, "gid": gid}
+        req = {"id": rid, "argv": argv, "env": env, "cwd": cwd, "cgroups": cgroups, "rlimits": rlimits, "uid": uid, "gid": gid, "files": files or []}
         try:
             async with self._lock:
                 sock = await self._ensure()

@@ -4,12 +4,13 @@ Run as ``python -I -S zygote.py FD`` by ``launcher.py``: standard library only, 
 stays a few MB and a fork of it is cheap (a fork of env-pool, with its imports and
 heap, cost several times more). For each request it forks; the child joins the
 sandbox's cgroups, takes its rlimits, drops to its uid and gid, wires the given pipes
-to stdin/stdout/stderr and execs the command. The zygote reports the pid, then the
-exit status once it has reaped the child. It exits when env-pool closes the socket.
+to stdin/stdout/stderr, opens the request's ``files`` at fds 3, 4, ... and execs the
+command. The zygote reports the pid, then the exit status once it has reaped the
+child. It exits when env-pool closes the socket.
 
 Protocol (SOCK_SEQPACKET, one JSON object per packet):
   request  {"id", "argv", "env", "cwd", "cgroups": [procs files], "rlimits": [[res, n]],
-            "uid", "gid"} with three fds (stdin, stdout, stderr) attached
+            "uid", "gid", "files": [paths]} with three fds (stdin, stdout, stderr) attached
   replies  {"id", "pid"} | {"id", "error"}   then   {"id", "exit": status}
 """
 
@@ -42,6 +43,13 @@ def child(req, fds):
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.closerange(3, 65536)
+        for target, path in enumerate(req.get("files", ()), 3):  # the uid's own right to read them
+            fd = os.open(path, os.O_RDONLY)
+            if fd != target:
+                os.dup2(fd, target)  # inheritable
+                os.close(fd)
+            else:
+                os.set_inheritable(fd, True)  # Python opens close-on-exec
         if req["cwd"]:
             os.chdir(req["cwd"])
         os.execve(req["argv"][0], req["argv"], req["env"])
