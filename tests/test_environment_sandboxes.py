@@ -9,7 +9,6 @@ Environment sandboxes pass the same isolation checks as plain ones."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -20,27 +19,12 @@ from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task
 
-from harness import InProcessPlatform, experiment, wait_for
+from harness import InProcessPlatform, experiment, wait_for, write_suite
 
 pytestmark = pytest.mark.skipif(overlay.supported() is not None, reason=str(overlay.supported()))
 
 MiB = 1024 * 1024
 BINARY = bytes(range(256)) * 4
-
-
-def inline(v) -> str:
-    """A value as TOML (inline tables for dicts)."""
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {inline(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list):
-        return "[" + ", ".join(inline(x) for x in v) + "]"
-    return json.dumps(v)
-
-
-def write_suite(folder: Path, tasks: list[Task], environments: list[dict]) -> Path:
-    (folder / "tasks.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in tasks))
-    (folder / "suite.toml").write_text(f'tasks = "tasks.jsonl"\nenvironments = {inline(environments)}\n')
-    return folder / "suite.toml"
 
 
 def tree_digest(root: Path) -> str:
@@ -73,8 +57,9 @@ def suite(tmp_path_factory) -> Path:
     env = {"name": "calc-env", "repository": {"kind": "dir", "path": str(repo)},
            "python": {"interpreter": "python3.11", "packages": ["iniconfig==2.0.0", "pytest"]}}  # fmt: skip
     tasks = [
-        Task(id="env-fix", problem_statement="add() subtracts", files={}, test_command="python -m pytest -q -p no:cacheprovider tests",
-             fail_to_pass=["tests/test_calc.py::test_add"], environment="calc-env"),
+        Task(id="env-fix", problem_statement="add() subtracts", files={}, test_command="python -m pytest -rA -p no:cacheprovider tests",
+             fail_to_pass=["tests/test_calc.py::test_add"], environment="calc-env",
+             solution={"calc/__init__.py": "def add(a, b):\n    return a + b\n"}),
         Task(id="env-bugged", problem_statement="x", files={"calc/extra.py": "X = 1\n"}, test_command="python -m pytest -q -p no:cacheprovider tests",
              fail_to_pass=["tests/test_calc.py::test_add"], environment="calc-env"),
     ]  # fmt: skip
@@ -209,5 +194,42 @@ async def test_an_environment_that_cannot_be_built_is_a_clear_error(nats_server,
             with pytest.raises(RemoteError) as e:
                 await pool.create("t-broken")
             assert e.value.code == "environment_error" and "broken" in str(e.value) and "python" in str(e.value)
+    finally:
+        await p.stop_all()
+
+
+async def test_environment_tasks_score_through_reward(nats_server, bus, pg_url, run_dir, suite, env_root):
+    """Real reward on environment sandboxes: the unchanged repository scores 0, the
+    reference solution written with the agent's own tool scores 1."""
+    from kiln.shared.db import Database, Run
+    from kiln.shared.tasks import load_suite
+
+    from test_reward import scored_messages, trajectory
+
+    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, pg_url, envpool=envpool, tasks={"suite": str(suite)}))
+    run_id = p.config("reward").run.id
+    db = Database(pg_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    await db.close()
+    await p.start("env-pool", instance="env-r")
+    await p.start("reward")
+    try:
+        pool = EnvPoolClient(bus)
+        sent = {}
+        for t in [t for t in load_suite(str(suite)).tasks if t.solution]:
+            unchanged = await pool.create(t.id)
+            solved = await pool.create(t.id)
+            calls = [c.ToolCall(id=str(i), name="write_file", arguments={"path": f, "content": text})
+                     for i, (f, text) in enumerate(sorted(t.solution.items()))]  # fmt: skip
+            assert all(r.error is None for r in await pool.tools(solved, calls))
+            for kind, ref in (("unchanged", unchanged), ("solved", solved)):
+                tr = trajectory(run_id, ref, tid=f"{t.id}-{kind}").model_copy(update={"task_id": t.id})
+                sent[tr.trajectory_id] = 1.0 if kind == "solved" else 0.0
+                await bus.publish(c.TRAJECTORY_FINISHED, tr, msg_id=tr.trajectory_id)
+        assert sent
+        got = {s.trajectory.trajectory_id: s for s in await scored_messages(bus, len(sent), timeout=300)}
+        assert {k: (v.reward, v.infra_error) for k, v in got.items()} == {k: (r, None) for k, r in sent.items()}
     finally:
         await p.stop_all()

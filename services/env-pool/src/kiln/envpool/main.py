@@ -79,7 +79,7 @@ async def sandbox_factory(s: EnvPoolSettings, root: Path, launcher: Launcher):
         return lambda sid, ws, lim, ident, cg: ProcessSandbox(sid, ws, lim, ident, cg, launcher)
     etc = root / "etc"
     bwrap.write_identity_files(etc)
-    system = bwrap.system_args(s.ro_binds, etc)
+    system = bwrap.system_args(s.ro_binds, etc, seccomp=s.seccomp)
     probe_ws = root / "probe"
     probe_ws.mkdir(parents=True, exist_ok=True)
     identity = Identity()
