@@ -5,6 +5,7 @@
     kiln config docs                                         configuration reference (markdown)
     kiln db upgrade [--url URL]                              apply migrations
     kiln tasks list|validate [--suite SPEC]
+    kiln tasks import --format F FILE.jsonl --repos DIR [--images DIR] --out DIR   public sets (docs/tasks.md)
     kiln topology                                            streams, consumers, subjects
     kiln health --file FILE [--max-age S]                    container healthcheck
     kiln dashboard [RUN_DIR] [--db URL] [--port N]           web dashboard of runs
@@ -101,6 +102,13 @@ def cmd_db_upgrade(a) -> int:
 def cmd_tasks(a) -> int:
     from kiln.shared.tasks import load_suite
 
+    if a.action == "import":
+        from kiln.shared.tasks.importing import cmd_import
+
+        if not (a.file and a.format and a.repos and a.out):
+            print("kiln tasks import: needs FILE, --format, --repos and --out", file=sys.stderr)
+            return 2
+        return cmd_import(a)
     suite = load_suite(a.suite)
     if a.action == "list":
         for t in suite.tasks:
@@ -231,8 +239,18 @@ def main(argv: list[str] | None = None) -> None:
     _config_args(up)
     up.set_defaults(fn=cmd_db_upgrade)
     t = sub.add_parser("tasks", help="task suites")
-    t.add_argument("action", choices=["list", "validate"])
+    t.add_argument("action", choices=["list", "validate", "import"])
     t.add_argument("--suite", default="builtin")
+    t.add_argument("file", nargs="?", help="import: the public set's JSONL (or JSON list) of instances")
+    t.add_argument("--format", choices=["swe-bench", "swe-gym", "swe-smith", "r2e-gym"], help="import: the set's format")
+    t.add_argument("--repos", help="import: folder of owner__name or owner/name git repositories")
+    t.add_argument("--images", help="import: folder of image archives (<image, / and : as _>.tar)")
+    t.add_argument("--env-specs", help="import: TOML of python specs by owner/name@version or owner/name")
+    t.add_argument("--out", help="import: output folder (suite.toml + tasks.jsonl)")
+    t.add_argument("--interpreter", default="", help="import: venv interpreter when no env spec names one")
+    t.add_argument("--image-python", default="", help="import: the interpreter tests run with on an image base")
+    t.add_argument("--split", default="train", help="import: the tasks' split")
+    t.add_argument("--timeout-s", type=float, default=300.0, help="import: the tasks' test timeout")
     t.set_defaults(fn=cmd_tasks)
     topo = sub.add_parser("topology", help="print streams, consumers and subjects")
     topo.add_argument("--markdown", action="store_true", help="as the tables of docs/architecture.md")

@@ -1,0 +1,686 @@
+"""Import public task sets: ``kiln tasks import`` (SWE-bench, SWE-Gym, SWE-smith, R2E-Gym).
+
+Each instance of a public JSONL export becomes a kiln ``Task`` over an environment
+(``kiln.shared.environments``) whose repository is a local git repository at the
+instance's starting commit; the suite is written as ``OUT/suite.toml`` (``tasks =
+"tasks.jsonl"`` and the environments) + ``OUT/tasks.jsonl``, loadable by ``load_suite``.
+
+- ``files``: ``{}`` (SWE-bench, SWE-Gym, R2E-Gym: the repository at the commit is the
+  starting point) or the buggy files (SWE-smith: its ``patch`` introduces the bug);
+- ``test_files``: post-``test_patch`` contents of the files the test patch touches
+  (SWE-bench/SWE-Gym), R2E-Gym's own test files (``r2e_tests/``), the clean contents of
+  the files SWE-smith's FAIL_TO_PASS ids name;
+- ``solution``: post-gold-patch contents of the files the fix changes;
+- ids in kiln's format (``path::test`` for pytest, ``module.Class.test`` for unittest),
+  the test command built from the files the ids and the test patch name.
+
+Repositories come from ``--repos DIR`` (``owner__name`` or ``owner/name``, bare or not),
+images from ``--images DIR`` (OCI/docker archives named after the image, ``/`` and ``:``
+replaced by ``_``). An instance that cannot be mapped is skipped with its reason.
+docs/tasks.md ("Importing public sets") has the field mapping of each format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from kiln.shared.environments import EnvironmentSpec, GitRepository, HostBase, OciBase, PythonSpec
+from kiln.shared.tasks import Task
+
+FORMATS = ("swe-bench", "swe-gym", "swe-smith", "r2e-gym")
+DEFAULT_INTERPRETER = PythonSpec.model_fields["interpreter"].default
+DEFAULT_TIMEOUT_S = 300.0
+_TEST_EXTRAS = ("test", "tests", "testing")
+_ENV_SPEC_KEYS = {"interpreter", "python", "install_project", "extras", "requirements_files", "packages",
+                  "pip_packages", "setup"}
+
+
+class Skip(Exception):
+    """An instance that cannot be mapped; the message is the reason."""
+
+
+@dataclass
+class ImportResult:
+    tasks: list[Task] = field(default_factory=list)
+    environments: list[EnvironmentSpec] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(instance id, reason)"""
+
+
+# -- git -------------------------------------------------------------------------------------
+
+
+def _git(repo: Path | str, *args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(["git", "-C", str(repo), *args], input=input, capture_output=True)
+    if check and out.returncode != 0:
+        raise Skip(f"git {' '.join(args[:2])} failed: {out.stderr.decode(errors='replace').strip()[-300:]}")
+    return out
+
+
+class GitRepo:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def resolve(self, rev: str) -> str | None:
+        out = _git(self.path, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", check=False)
+        return out.stdout.decode().strip() if out.returncode == 0 else None
+
+    def read(self, commit: str, path: str) -> bytes | None:
+        out = _git(self.path, "cat-file", "blob", f"{commit}:{path}", check=False)
+        return out.stdout if out.returncode == 0 else None
+
+    def changed(self, a: str, b: str) -> list[tuple[str, str]]:
+        """``(status letter, path)`` of ``git diff --name-status a b`` (renames as delete + add)."""
+        out = _git(self.path, "diff", "--name-status", "--no-renames", "-z", a, b).stdout.decode()
+        parts = out.split("\0")
+        return [(parts[i][0], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
+
+
+def find_repository(repos: Path, names: Iterable[str]) -> Path | None:
+    """The first of ``DIR/owner__name``, ``DIR/owner/name`` (and ``.git`` variants) that is a
+    git repository, for each candidate name."""
+    for name in names:
+        for cand in (name.replace("/", "__"), name, name.lower().replace("/", "__"), name.lower()):
+            for p in (repos / cand, repos / f"{cand}.git"):
+                if p.is_dir() and _git(p, "rev-parse", "--git-dir", check=False).returncode == 0:
+                    return p.resolve()
+    return None
+
+
+# -- patches ---------------------------------------------------------------------------------
+
+_DIFF_GIT = re.compile(r"^diff --git a/(.+) b/(.+)$")
+
+
+def patch_paths(patch: str) -> list[tuple[str | None, str | None]]:
+    """``(old path, new path)`` of each file a git diff touches (None: created / deleted)."""
+    files: list[list[str | None]] = []
+    in_header = False
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            m = _DIFF_GIT.match(line)
+            if not m:
+                raise Skip(f"unparsed diff header {line[:120]!r}")
+            files.append([m.group(1), m.group(2)])
+            in_header = True
+        elif line.startswith("@@"):
+            in_header = False
+        elif in_header and files:
+            if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
+                raise Skip("binary patch (tasks hold text files only)")
+            if line.startswith("new file mode"):
+                files[-1][0] = None
+            elif line.startswith("deleted file mode"):
+                files[-1][1] = None
+            elif line.startswith("rename from "):
+                files[-1][0] = line[len("rename from "):]
+            elif line.startswith("rename to "):
+                files[-1][1] = line[len("rename to "):]
+            elif line.startswith("--- "):
+                p = line[4:].rstrip("\t")
+                files[-1][0] = None if p == "/dev/null" else p.removeprefix("a/")
+            elif line.startswith("+++ "):
+                p = line[4:].rstrip("\t")
+                files[-1][1] = None if p == "/dev/null" else p.removeprefix("b/")
+    if patch.strip() and not files:
+        raise Skip("patch is not a git diff (no 'diff --git' header)")
+    return [(a, b) for a, b in files]
+
+
+def apply_patch(repo: GitRepo, commit: str, patch: str, what: str) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """Apply ``patch`` to the files it touches at ``commit``; ``(before, after)``: path ->
+    text (None where the file does not exist on that side)."""
+    paths = patch_paths(patch)
+    before: dict[str, str | None] = {}
+    with tempfile.TemporaryDirectory(prefix="kiln-import-") as tmp:
+        _git(tmp, "init", "-q")
+        for old, new in paths:
+            for p in (old, new):
+                if p is None or p in before:
+                    continue
+                data = repo.read(commit, p)
+                before[p] = _text(data, p) if data is not None else None
+                if data is not None:
+                    dest = Path(tmp, p)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(data)
+        patch_file = Path(tmp, ".git", "kiln-import.patch")
+        patch_file.write_text(patch if patch.endswith("\n") else patch + "\n")
+        out = _git(tmp, "apply", "--whitespace=nowarn", str(patch_file), check=False)
+        if out.returncode != 0:
+            raise Skip(f"{what} does not apply at {commit[:12]}: {out.stderr.decode(errors='replace').strip()[-300:]}")
+        after: dict[str, str | None] = {}
+        for old, new in paths:
+            if old is not None and old != new:
+                after.setdefault(old, None)
+            if new is not None:
+                f = Path(tmp, new)
+                after[new] = _text(f.read_bytes(), new) if f.is_file() else None
+    return before, after
+
+
+def _text(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Skip(f"{path} is not UTF-8 text (tasks hold text files only)") from None
+
+
+# -- test ids --------------------------------------------------------------------------------
+
+_UNITTEST_ID = re.compile(r"^(\w+) \(([\w.]+)\)")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def convert_id(raw: str, test_sources: dict[str, str]) -> tuple[str, str]:
+    """``(runner, id)`` in kiln's format: pytest ``path::test`` ids stay; unittest's
+    ``test_x (module.Class)`` (SWE-bench's Django ids, the pre-3.11 verbose form) becomes
+    ``module.Class.test_x``; a bare name (sympy's ``bin/test`` ids) becomes
+    ``path::name`` of the test file that defines it."""
+    raw = raw.strip()
+    if "::" in raw:
+        return "pytest", raw
+    if m := _UNITTEST_ID.match(raw):
+        name, where = m.groups()
+        return "unittest", where if where.endswith(f".{name}") else f"{where}.{name}"
+    if _NAME.fullmatch(raw):
+        pattern = re.compile(rf"^\s*(?:async\s+)?def {re.escape(raw)}\s*\(", re.M)
+        for path in sorted(test_sources):
+            if path.endswith(".py") and pattern.search(test_sources[path] or ""):
+                return "pytest", f"{path}::{raw}"
+        raise Skip(f"test id {raw!r}: none of the instance's test files defines it")
+    raise Skip(f"unsupported test id format {raw[:80]!r} (pytest path::test and unittest 'test (module.Class)' only)")
+
+
+def _id_list(value: Any, name: str) -> list[str]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise Skip(f"{name} is neither a list nor a JSON-encoded list") from None
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise Skip(f"{name} is not a list of test ids")
+    return value
+
+
+def _convert_ids(f2p: list[str], p2p: list[str], test_sources: dict[str, str]) -> tuple[str, list[str], list[str], list[str]]:
+    """(runner, fail_to_pass, pass_to_pass, dropped pass_to_pass): ids with whitespace
+    (pytest parameters with spaces) cannot be matched by the report parser; a
+    FAIL_TO_PASS one skips the instance, PASS_TO_PASS ones are dropped."""
+    runners, out_f, out_p, dropped = set(), [], [], []
+    for raw in f2p:
+        runner, tid = convert_id(raw, test_sources)
+        if re.search(r"\s", tid):
+            raise Skip(f"FAIL_TO_PASS id {tid[:80]!r} has whitespace, which the test report parser cannot match")
+        runners.add(runner)
+        out_f.append(tid)
+    for raw in p2p:
+        try:
+            runner, tid = convert_id(raw, test_sources)
+        except Skip:
+            dropped.append(raw)
+            continue
+        if re.search(r"\s", tid):
+            dropped.append(raw)
+            continue
+        runners.add(runner)
+        out_p.append(tid)
+    if not out_f:
+        raise Skip("no FAIL_TO_PASS tests")
+    if len(runners) > 1:
+        raise Skip("mixes pytest and unittest ids")
+    return runners.pop(), list(dict.fromkeys(out_f)), list(dict.fromkeys(out_p)), dropped
+
+
+def _module(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def test_command(runner: str, repo: str, test_paths: list[str], ids: list[str], python: str = "python") -> str:
+    """The verbose test command of an instance: pytest ``-rA`` on the test files, Django's
+    ``tests/runtests.py --verbosity 2`` on their modules, or ``unittest -v`` on their modules."""
+    py = shlex.quote(python)
+    if runner == "pytest":
+        files = dict.fromkeys([*test_paths, *(i.split("::", 1)[0] for i in ids)])
+        return f"{py} -m pytest -rA -p no:cacheprovider " + " ".join(shlex.quote(f) for f in files)
+    modules = [_module(p) for p in test_paths if p.endswith(".py")]
+    if repo.lower() == "django/django":
+        labels = [m.removeprefix("tests.") for m in modules if m.startswith("tests.")]
+        if not labels:
+            raise Skip("no test module under tests/ for Django's runtests.py")
+        return f"{py} tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 " + " ".join(labels)
+    if not modules:
+        raise Skip("unittest ids but no test file to name its module")
+    return f"{py} -m unittest -v " + " ".join(modules)
+
+
+# -- environments ----------------------------------------------------------------------------
+
+
+def load_env_specs(path: str | Path) -> dict[str, dict[str, Any]]:
+    """``--env-specs FILE.toml``: tables keyed ``"owner/name@version"`` or ``"owner/name"``
+    with ``interpreter`` (or ``python = "3.9"``), ``install_project``, ``extras``,
+    ``requirements_files``, ``packages`` (or ``pip_packages``) and ``setup`` commands."""
+    data = tomllib.loads(Path(path).read_text())
+    for key, spec in data.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"{path}: [{key!r}] must be a table")
+        if unknown := set(spec) - _ENV_SPEC_KEYS:
+            raise ValueError(f"{path}: [{key!r}] has unknown keys {sorted(unknown)} (known: {sorted(_ENV_SPEC_KEYS)})")
+    return data
+
+
+def _python_from_table(t: dict[str, Any], interpreter: str) -> tuple[PythonSpec, list[str]]:
+    interp = t.get("interpreter") or (f"python{t['python']}" if t.get("python") else interpreter)
+    spec = PythonSpec(interpreter=interp, install_project=bool(t.get("install_project", True)),
+                      extras=list(t.get("extras", [])), requirements_files=list(t.get("requirements_files", [])),
+                      packages=[*t.get("packages", []), *t.get("pip_packages", [])])
+    return spec, list(t.get("setup", []))
+
+
+def declared_extras(repo: GitRepo, commit: str) -> set[str] | None:
+    """Extras the project declares at ``commit`` (pyproject, setup.cfg, setup.py); None
+    when it is no installable project."""
+    found: set[str] = set()
+    installable = False
+    if (raw := repo.read(commit, "pyproject.toml")) is not None:
+        try:
+            py = tomllib.loads(raw.decode("utf-8", "replace"))
+        except tomllib.TOMLDecodeError:
+            py = {}
+        if "project" in py or "build-system" in py or "tool" in py and "poetry" in py["tool"]:
+            installable = True
+        found |= set(py.get("project", {}).get("optional-dependencies", {}))
+        found |= set(py.get("tool", {}).get("poetry", {}).get("extras", {}))
+    if (raw := repo.read(commit, "setup.cfg")) is not None:
+        text = raw.decode("utf-8", "replace")
+        if m := re.search(r"^\[options\.extras_require\]\s*\n((?:[ \t]*[^\[\s].*\n|[ \t]*\n)*)", text, re.M):
+            found |= set(re.findall(r"^([A-Za-z0-9_.-]+)\s*=", m.group(1), re.M))
+        installable = installable or "[metadata]" in text
+    if (raw := repo.read(commit, "setup.py")) is not None:
+        installable = True
+        text = raw.decode("utf-8", "replace")
+        if "extras_require" in text:
+            found |= {x for x in _TEST_EXTRAS if re.search(rf"""["']{x}["']\s*:""", text)}
+    return found if installable else None
+
+
+def default_python(repo: GitRepo, commit: str, interpreter: str, runner: str) -> PythonSpec:
+    """install_project with a ``test``/``tests``/``testing`` extra if the project declares
+    one, plus pytest (pytest runs)."""
+    extras = declared_extras(repo, commit)
+    return PythonSpec(interpreter=interpreter, install_project=extras is not None,
+                      extras=[x for x in _TEST_EXTRAS if x in (extras or ())][:1],
+                      packages=["pytest"] if runner == "pytest" else [])
+
+
+def image_archive(images: Path | None, names: Iterable[str]) -> Path | None:
+    """``IMAGES/<name with / and : replaced by _>.tar`` of the first name that has one
+    (``:latest`` is tried with and without)."""
+    if images is None:
+        return None
+    for name in names:
+        if not name:
+            continue
+        variants = [name]
+        if name.endswith(":latest"):
+            variants.append(name.removesuffix(":latest"))
+        elif ":" not in name.rsplit("/", 1)[-1]:
+            variants.append(name + ":latest")
+        for v in variants:
+            p = images / (v.replace("/", "_").replace(":", "_") + ".tar")
+            if p.is_file():
+                return p.resolve()
+    return None
+
+
+def _swebench_images(instance_id: str) -> list[str]:
+    """The SWE-bench harness's instance image names (Docker Hub and local)."""
+    key = instance_id.replace("__", "_1776_").lower()
+    return [f"swebench/sweb.eval.x86_64.{key}:latest", f"sweb.eval.x86_64.{key}:latest",
+            f"sweb.eval.x86_64.{instance_id.lower()}:latest"]
+
+
+# -- instances -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Mapped:
+    """One instance, before its environment is named."""
+
+    env_key: str
+    env: dict[str, Any]
+    task: dict[str, Any]
+
+
+@dataclass
+class Importer:
+    fmt: str
+    repos: Path
+    images: Path | None = None
+    env_specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    interpreter: str = DEFAULT_INTERPRETER
+    image_python: str = "python"
+    split: str = "train"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown format {self.fmt!r}; one of {', '.join(FORMATS)}")
+
+    def run(self, rows: Iterable[dict[str, Any]]) -> ImportResult:
+        result = ImportResult()
+        mapped: list[_Mapped] = []
+        seen: set[str] = set()
+        for n, row in enumerate(rows, 1):
+            iid = str(row.get("instance_id") or row.get("docker_image") or f"line {n}")
+            if iid in seen:
+                result.skipped.append((iid, "duplicate instance_id"))
+                continue
+            try:
+                m = {"swe-smith": self._swe_smith, "r2e-gym": self._r2e_gym}.get(self.fmt, self._swe_bench)(row, iid)
+                Task.model_validate({**m.task, "environment": "x"})
+            except Skip as e:
+                result.skipped.append((iid, str(e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - one bad instance must not stop the import
+                result.skipped.append((iid, f"{type(e).__name__}: {e}"))
+                continue
+            seen.add(iid)
+            mapped.append(m)
+        # Environments: one per distinct spec; the name is the repository at its commit,
+        # with a spec hash only where one repository@commit has several specs.
+        specs: dict[str, dict[str, dict[str, Any]]] = {}
+        for m in mapped:
+            specs.setdefault(m.env_key, {})[_spec_hash(m.env)] = m.env
+        names: dict[tuple[str, str], str] = {}
+        for key, by_hash in specs.items():
+            for h, env in sorted(by_hash.items()):
+                name = key if len(by_hash) == 1 else f"{key}-{h[:8]}"
+                names[key, h] = name
+                result.environments.append(EnvironmentSpec.model_validate({"name": name, **env}))
+        for m in mapped:
+            result.tasks.append(Task.model_validate({**m.task, "environment": names[m.env_key, _spec_hash(m.env)]}))
+        return result
+
+    # -- helpers --
+
+    def _repo(self, names: list[str]) -> GitRepo:
+        path = find_repository(self.repos, names)
+        if path is None:
+            raise Skip(f"repository {names[0]!r} not in {self.repos} (looked for {', '.join(dict.fromkeys(n.replace('/', '__') for n in names))})")
+        return GitRepo(path)
+
+    def _commit(self, repo: GitRepo, *revs: str | None) -> str:
+        for rev in revs:
+            if rev and (full := repo.resolve(rev)):
+                return full
+        raise Skip(f"commit {next((r for r in revs if r), '?')!r} not found in {repo.path}")
+
+    def _env(self, repo: GitRepo, commit: str, image: Path | None, python: PythonSpec | None, setup: list[str]) -> dict[str, Any]:
+        env: dict[str, Any] = {"repository": GitRepository(url=str(repo.path), commit=commit).model_dump()}
+        if image is not None:
+            env["base"] = OciBase(archive=str(image)).model_dump()
+        else:
+            env["base"] = HostBase().model_dump()
+            env["python"] = python.model_dump() if python else None
+        if setup:
+            env["setup"] = setup
+        return env
+
+    def _python(self, row: dict[str, Any], repo_name: str, repo: GitRepo, commit: str, runner: str) -> tuple[PythonSpec, list[str]]:
+        version = str(row.get("version") or "")
+        for key in (f"{repo_name}@{version}", repo_name):
+            if key in self.env_specs:
+                return _python_from_table(self.env_specs[key], self.interpreter)
+        return default_python(repo, commit, self.interpreter, runner), []
+
+    def _task(self, iid: str, row: dict[str, Any], *, files, test_files, solution, runner, repo_name, test_paths,
+              f2p, p2p, dropped, image, metadata) -> dict[str, Any]:
+        python = self.image_python if image is not None else "python"
+        meta = {"instance_id": iid, "repo": repo_name, "format": self.fmt, **metadata}
+        if image is not None:
+            meta["image"] = str(image)
+        if dropped:
+            meta["dropped_pass_to_pass"] = dropped
+        return {
+            "id": iid, "problem_statement": str(row.get("problem_statement") or ""),
+            "files": files, "test_files": test_files, "solution": solution or None,
+            "test_command": test_command(runner, repo_name, test_paths, f2p + p2p, python),
+            "fail_to_pass": f2p, "pass_to_pass": p2p, "split": self.split, "timeout_s": self.timeout_s,
+            "metadata": meta,
+        }
+
+    # -- SWE-bench and SWE-Gym: gold patch + test patch at base_commit --
+
+    def _swe_bench(self, row: dict[str, Any], iid: str) -> _Mapped:
+        repo_name = _required(row, "repo")
+        repo = self._repo([repo_name])
+        commit = self._commit(repo, _required(row, "base_commit"))
+        _, tests_after = apply_patch(repo, commit, str(row.get("test_patch") or ""), "test_patch")
+        _, gold_after = apply_patch(repo, commit, _required(row, "patch"), "patch")
+        test_files = {p: t for p, t in tests_after.items() if t is not None}
+        runner, f2p, p2p, dropped = _convert_ids(_id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS"),
+                                                 _id_list(row.get("PASS_TO_PASS"), "PASS_TO_PASS"), test_files)
+        image = image_archive(self.images, [row.get("image_name"), row.get("docker_image"), *_swebench_images(iid)])
+        python, setup = self._python(row, repo_name, repo, commit, runner)
+        test_paths = [p for p in test_files if p.endswith(".py") and _is_test_path(p)]
+        task = self._task(iid, row, files={}, test_files=test_files, runner=runner, repo_name=repo_name,
+                          solution={p: t for p, t in gold_after.items() if t is not None},
+                          test_paths=test_paths, f2p=f2p, p2p=p2p, dropped=dropped, image=image,
+                          metadata={"base_commit": commit, "version": str(row.get("version") or ""),
+                                    "environment_setup_commit": row.get("environment_setup_commit") or ""})
+        return _Mapped(f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
+
+    # -- SWE-smith: the repository is clean, ``patch`` introduces the bug --
+
+    def _swe_smith(self, row: dict[str, Any], iid: str) -> _Mapped:
+        raw_repo = _required(row, "repo")  # "swesmith/owner__name.commit8"
+        short = raw_repo.split("/", 1)[-1]
+        base, _, suffix = short.rpartition(".")
+        if not base:
+            base, suffix = short, ""
+        repo_name = base.replace("__", "/", 1) if "__" in base else base
+        repo = self._repo([raw_repo, short, base, repo_name])
+        commit = self._commit(repo, row.get("base_commit"), suffix)
+        clean, buggy = apply_patch(repo, commit, _required(row, "patch"), "patch (the bug)")
+        if any(t is None for t in buggy.values()):
+            raise Skip("the bug patch deletes or renames a file (task files cannot delete)")
+        f2p_raw = _id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
+        p2p_raw = _id_list(row.get("PASS_TO_PASS"), "PASS_TO_PASS")
+        id_paths = sorted({i.split("::", 1)[0] for i in f2p_raw + p2p_raw if "::" in i})
+        sources = {p: (repo.read(commit, p) or b"").decode("utf-8", "replace") for p in id_paths}
+        runner, f2p, p2p, dropped = _convert_ids(f2p_raw, p2p_raw, sources)
+        f2p_files = sorted({i.split("::", 1)[0] for i in f2p if "::" in i})
+        test_files = {}
+        for p in f2p_files:
+            if (data := repo.read(commit, p)) is not None:
+                test_files[p] = _text(data, p)
+        image = image_archive(self.images, [row.get("image_name"), row.get("docker_image")])
+        python, setup = self._python(row, repo_name, repo, commit, runner)
+        task = self._task(iid, row, files={p: t for p, t in buggy.items() if t is not None}, test_files=test_files,
+                          solution={p: t for p, t in clean.items() if t is not None}, runner=runner,
+                          repo_name=repo_name, test_paths=f2p_files, f2p=f2p, p2p=p2p, dropped=dropped, image=image,
+                          metadata={"base_commit": commit, "version": "", "swe_smith_repo": raw_repo,
+                                    "image_name": row.get("image_name") or ""})
+        return _Mapped(f"{base}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
+
+    # -- R2E-Gym: commit_hash is the fix; its parent the start; tests in r2e_tests/ --
+
+    def _r2e_gym(self, row: dict[str, Any], iid: str) -> _Mapped:
+        repo_name = _required(row, "repo_name")
+        repo = self._repo([repo_name])
+        fix = self._commit(repo, _required(row, "commit_hash"))
+        commit = self._commit(repo, f"{fix}^")
+        execution = _json_field(row, "execution_result_content")
+        names, codes = execution.get("test_file_names") or [], execution.get("test_file_codes") or []
+        if not names or len(names) != len(codes):
+            raise Skip("execution_result_content has no test_file_names/test_file_codes")
+        test_files = {f"r2e_tests/{n}": c for n, c in zip(names, codes)}
+        expected = {k.split(" - ")[0]: v for k, v in _json_field(row, "expected_output_json").items()}
+        if "old_commit_res_stdout" not in execution:
+            raise Skip("execution_result_content has no old_commit_res_stdout (FAIL_TO_PASS cannot be derived)")
+        old = r2e_parse_log(execution.get("old_commit_res_stdout") or "")
+        f2p_names = sorted(k for k, v in expected.items() if v == "PASSED" and old.get(k) != "PASSED")
+        p2p_names = sorted(k for k, v in expected.items() if v == "PASSED" and old.get(k) == "PASSED")
+        f2p = [_r2e_id(k, test_files) for k in f2p_names]
+        p2p = [_r2e_id(k, test_files) for k in p2p_names]
+        runner, f2p, p2p, dropped = _convert_ids(f2p, p2p, test_files)
+        solution = {}
+        for status, path in repo.changed(commit, fix):
+            if status != "D" and not _is_test_path(path):
+                data = repo.read(fix, path)
+                if data is not None:
+                    solution[path] = _text(data, path)
+        image = image_archive(self.images, [row.get("docker_image")])
+        python, setup = self._python(row, repo_name, repo, commit, runner)
+        task = self._task(iid, row, files={}, test_files=test_files, solution=solution, runner=runner,
+                          repo_name=repo_name, test_paths=sorted(test_files), f2p=f2p, p2p=p2p, dropped=dropped,
+                          image=image, metadata={"base_commit": commit, "version": "", "commit_hash": fix,
+                                                 "docker_image": row.get("docker_image") or ""})
+        return _Mapped(f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
+
+
+def r2e_parse_log(log: str) -> dict[str, str]:
+    """R2E-Gym's reading of a pytest ``-rA`` log: the short test summary's lines, keyed by
+    the id without its file (``Class.test``), as its ``expected_output_json`` is."""
+    out: dict[str, str] = {}
+    if "short test summary info" not in log:
+        return out
+    for line in log.split("short test summary info", 1)[1].strip().splitlines():
+        for status in ("PASSED", "FAILED", "ERROR"):
+            if line.startswith(status + " ") and "::" in line:
+                out[".".join(line.split(" ", 1)[1].split("::")[1:]).split(" - ")[0]] = status
+                break
+    return out
+
+
+def _r2e_id(name: str, test_files: dict[str, str]) -> str:
+    """``Class.test`` -> ``r2e_tests/<file>::Class::test``: the file that defines it."""
+    parts = name.split(".")
+    func = parts[-1].split("[")[0]
+    for path in sorted(test_files):
+        src = test_files[path]
+        if re.search(rf"^\s*(?:async\s+)?def {re.escape(func)}\s*\(", src, re.M) and all(
+                re.search(rf"^\s*class {re.escape(c)}\b", src, re.M) for c in parts[:-1]):
+            return f"{path}::{'::'.join(parts)}"
+    raise Skip(f"R2E test {name!r}: no test file defines it")
+
+
+def _is_test_path(path: str) -> bool:
+    parts = path.split("/")
+    name = parts[-1]
+    return (any(p in ("test", "tests", "testing") for p in parts[:-1]) or name.startswith("test_")
+            or name.endswith("_test.py") or name == "conftest.py")
+
+
+def _required(row: dict[str, Any], key: str) -> str:
+    v = row.get(key)
+    if not isinstance(v, str) or not v:
+        raise Skip(f"missing field {key!r}")
+    return v
+
+
+def _json_field(row: dict[str, Any], key: str) -> dict[str, Any]:
+    v = row.get(key)
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError:
+            raise Skip(f"{key} is not JSON") from None
+    if not isinstance(v, dict):
+        raise Skip(f"missing field {key!r}")
+    return v
+
+
+def _spec_hash(env: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """A JSONL file (one instance a line) or a JSON list."""
+    text = Path(path).read_text()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+    return rows
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items() if x is not None) + "}"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def write_suite(result: ImportResult, out: str | Path) -> Path:
+    """``OUT/suite.toml`` (``tasks = "tasks.jsonl"`` and ``[[environments]]``) and
+    ``OUT/tasks.jsonl``; returns the suite file."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ['# written by kiln tasks import', 'tasks = "tasks.jsonl"', ""]
+    for env in result.environments:
+        lines.append("[[environments]]")
+        for k, v in env.model_dump(mode="json").items():
+            if v is not None and v != []:
+                lines.append(f"{k} = {_toml(v)}")
+        lines.append("")
+    tmp = out / "tasks.jsonl.partial"
+    with open(tmp, "w") as f:
+        for t in result.tasks:
+            f.write(t.model_dump_json(exclude_defaults=False) + "\n")
+    os.replace(tmp, out / "tasks.jsonl")
+    (out / "suite.toml").write_text("\n".join(lines))
+    return out / "suite.toml"
+
+
+def cmd_import(a) -> int:
+    """``kiln tasks import``: print a summary; exit 1 only when nothing was imported."""
+    import sys
+
+    try:
+        rows = read_rows(a.file)
+        env_specs = load_env_specs(a.env_specs) if a.env_specs else {}
+        importer = Importer(a.format, Path(a.repos), Path(a.images) if a.images else None, env_specs,
+                            a.interpreter or DEFAULT_INTERPRETER, a.image_python or "python", a.split, a.timeout_s)
+    except (OSError, ValueError) as e:
+        print(f"kiln tasks import: {e}", file=sys.stderr)
+        return 2
+    result = importer.run(rows)
+    for iid, reason in result.skipped:
+        print(f"skipped {iid}: {reason}")
+    if result.tasks:
+        suite = write_suite(result, a.out)
+        print(f"imported {len(result.tasks)} tasks over {len(result.environments)} environments into {suite}; "
+              f"skipped {len(result.skipped)}")
+        return 0
+    print(f"imported 0 tasks; skipped {len(result.skipped)}", file=sys.stderr)
+    return 1
