@@ -233,3 +233,48 @@ async def test_environment_tasks_score_through_reward(nats_server, bus, pg_url, 
         assert {k: (v.reward, v.infra_error) for k, v in got.items()} == {k: (r, None) for k, r in sent.items()}
     finally:
         await p.stop_all()
+
+
+@pytest.mark.timeout(400)
+async def test_a_run_sets_aside_an_environment_that_cannot_be_built(nats_server, bus, pg_url, run_dir, tmp_path, suite, env_root):
+    """The whole platform on a suite where one environment cannot be built: the first
+    group that meets it is dropped as an infra error, its tasks are never dispatched
+    again, and the run trains on the other environment's tasks to the end."""
+    from sqlalchemy import select
+
+    from kiln.shared.db import Database, Run, TaskGroup
+    from kiln.shared.tasks import load_suite
+
+    good = load_suite(str(suite))
+    bad_env = {"name": "broken", "repository": {"kind": "dir", "path": str(tmp_path)},
+               "python": {"packages": ["kiln-no-such-package-anywhere==0.0.1"]}}  # fmt: skip
+    bad = [Task(id=f"t-broken-{i}", problem_statement="x", files={"a.py": "1\n"}, fail_to_pass=["x"], environment="broken") for i in range(3)]
+    mixed = write_suite(tmp_path, [*good.tasks, *bad], [good.environments["calc-env"].model_dump(mode="json"), bad_env])
+    exp = experiment(run_dir, nats_server.url, pg_url, tasks={"suite": str(mixed)},
+                     envpool={"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)},
+                     learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "max_dropped_groups": 50})  # fmt: skip
+    p = InProcessPlatform(exp)
+    run_id = p.config("learner").run.id
+    await p.start_all()
+    db = Database(pg_url)
+    try:
+        async def ended():
+            assert not p.failed(), p.failed()
+            async with db.session() as s:
+                run = await s.get(Run, run_id)
+            return run is not None and run.status != "running"
+
+        await wait_for(ended, 360, 0.5, "run ended")
+        async with db.session() as s:
+            run = await s.get(Run, run_id)
+            groups = (await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id).order_by(TaskGroup.dispatched_at))).all()
+        assert run.status == "finished", run.detail
+        broken = [g for g in groups if g.task_id.startswith("t-broken")]
+        assert all(g.status == "dropped" and g.reason == "infra_error" and "broken" in g.detail for g in broken)
+        assert sum(g.status == "trained" for g in groups) == 3 * 2
+        assert broken, "no broken task was ever dispatched (the seed decides: change the task mix)"
+        first_end = min(g.ended_at for g in broken)  # after it, no broken task was dispatched again
+        assert all(g.dispatched_at <= first_end for g in broken), [(g.task_id, g.dispatched_at) for g in broken]
+    finally:
+        await db.close()
+        await p.stop_all()

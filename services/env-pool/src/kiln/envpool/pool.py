@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from kiln.shared.bus import ServiceError
+from kiln.shared.contracts import ENVIRONMENT_ERROR
 from kiln.shared.tasks import TaskSuite
 
 from kiln.envpool import overlay
@@ -183,7 +184,7 @@ class SandboxPool:
         try:
             built = await self.environments.get(self.suite.environments[task.environment])
         except EnvironmentBuildError as e:
-            raise ServiceError(str(e), "environment_error") from None
+            raise ServiceError(str(e), ENVIRONMENT_ERROR) from None
         template = await self._template(task_id)
         layers = [overlay.LowerLayer(layer.path, owned=layer.name == "repository") for layer in built.layers]
         return built, (*layers, overlay.LowerLayer(template, owned=True))

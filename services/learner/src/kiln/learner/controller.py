@@ -64,7 +64,10 @@ class Controller:
         self.cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
         self.db = db
         self.run_id = self.cfg.run.id
+        self.suite = suite
         self.tasks = suite.split(self.cfg.tasks.split)
+        self.set_aside_envs: dict[str, str] = {}
+        """Environments that cannot be built -> why; their tasks are no longer dispatched."""
         self.published_version = -1
         self.dispatched = 0
         self.dropped = 0
@@ -128,6 +131,19 @@ class Controller:
     def task_for(self, index: int):
         return random.Random(f"{self.cfg.run.seed}:{index}").choice(self.tasks)
 
+    def set_aside(self, task_id: str, reason: str) -> None:
+        """The task's environment cannot be built: dispatch none of its tasks again this run
+        (recorded once; a build is never retried in a loop). With nothing left to dispatch,
+        ``refill`` does nothing and the learner ends the run as failed."""
+        env = self.suite.get(task_id).environment
+        if env is None or env in self.set_aside_envs:
+            return
+        self.set_aside_envs[env] = reason
+        left = [t for t in self.tasks if t.environment != env]
+        log.error("environment %r cannot be built: its %d tasks are set aside for this run (%s)",
+                  env, len(self.tasks) - len(left), reason)  # fmt: skip
+        self.tasks = left
+
     async def finish_run(self, status: str = "finished", detail: str = "") -> None:
         async with self._lock:
             # Under the lock, before the in-flight groups end: a refill waiting for the lock
@@ -183,7 +199,7 @@ class Controller:
     async def refill(self) -> None:
         a = self.cfg.algorithm
         async with self._lock:
-            if self.closing or self.published_version < 0:
+            if self.closing or self.published_version < 0 or not self.tasks:
                 return
             if a.mode == "april":
                 target = math.ceil(a.overprovision * a.groups_per_step)

@@ -145,7 +145,13 @@ class Trainer:
         samples = [s for s, _ in self.pending[gid].values()]
         valid = [s for s in samples if not s.infra_error]
         if not valid:
+            broken = next((s for s in samples if s.trajectory.infra_code == c.ENVIRONMENT_ERROR), None)
+            if broken is not None:  # before the drop: the group that replaces this one must not need it
+                self.controller.set_aside(broken.trajectory.task_id, broken.infra_error or "")
             await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
+            if not self.controller.tasks:
+                why = "; ".join(f"{e}: {r}" for e, r in self.controller.set_aside_envs.items())
+                await self.controller.finish_run("failed", f"no task left to dispatch: environments cannot be built ({why})")
             return
         if await self._drop_if_stale(gid):
             return

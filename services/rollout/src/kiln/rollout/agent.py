@@ -158,7 +158,8 @@ async def run_episode(
             try:
                 sandbox = await pending
             except RemoteError as e:
-                return _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", turns, malformed, "error", None)
+                failed = _finish(traj, seq, messages, c.TrajectoryStatus.INFRA_ERROR, f"sandbox create failed: {e}", turns, malformed, "error", None)
+                return failed.model_copy(update={"infra_code": e.code})
         return None
 
     async def suspended() -> c.PartialSample | c.Trajectory:

@@ -127,6 +127,9 @@ class Trajectory(Message):
     dispatch_version: int
     status: TrajectoryStatus
     infra_error: str | None = None
+    infra_code: str | None = None
+    """The infra error's cause as a code (env-pool's error code, e.g. ``environment_error``:
+    the task's environment cannot be built, so the controller sets its tasks aside)."""
     messages: list[ChatMessage] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
