@@ -105,9 +105,6 @@ def cmd_tasks(a) -> int:
     if a.action == "import":
         from kiln.shared.tasks.importing import cmd_import
 
-        if not (a.file and a.format and a.repos and a.out):
-            print("kiln tasks import: needs FILE, --format, --repos and --out", file=sys.stderr)
-            return 2
         return cmd_import(a)
     suite = load_suite(a.suite)
     if a.action == "list":
@@ -238,20 +235,23 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--url")
     _config_args(up)
     up.set_defaults(fn=cmd_db_upgrade)
-    t = sub.add_parser("tasks", help="task suites")
-    t.add_argument("action", choices=["list", "validate", "import"])
-    t.add_argument("--suite", default="builtin")
-    t.add_argument("file", nargs="?", help="import: the public set's JSONL (or JSON list) of instances")
-    t.add_argument("--format", choices=["swe-bench", "swe-gym", "swe-smith", "r2e-gym"], help="import: the set's format")
-    t.add_argument("--repos", help="import: folder of owner__name or owner/name git repositories")
-    t.add_argument("--images", help="import: folder of image archives (<image, / and : as _>.tar)")
-    t.add_argument("--env-specs", help="import: TOML of python specs by owner/name@version or owner/name")
-    t.add_argument("--out", help="import: output folder (suite.toml + tasks.jsonl)")
-    t.add_argument("--interpreter", default="", help="import: venv interpreter when no env spec names one")
-    t.add_argument("--image-python", default="", help="import: the interpreter tests run with on an image base")
-    t.add_argument("--split", default="train", help="import: the tasks' split")
-    t.add_argument("--timeout-s", type=float, default=300.0, help="import: the tasks' test timeout")
-    t.set_defaults(fn=cmd_tasks)
+    t = sub.add_parser("tasks", help="task suites").add_subparsers(dest="action", required=True)
+    for action, text in (("list", "list a suite's tasks"), ("validate", "load and check a suite")):
+        ta = t.add_parser(action, help=text)
+        ta.add_argument("--suite", default="builtin")
+        ta.set_defaults(fn=cmd_tasks)
+    ti = t.add_parser("import", help="import a public set (SWE-bench, SWE-Gym, SWE-smith, R2E-Gym) as a suite")
+    ti.add_argument("file", help="the set's JSONL (or JSON list) of instances")
+    ti.add_argument("--format", required=True, choices=["swe-bench", "swe-gym", "swe-smith", "r2e-gym"])
+    ti.add_argument("--repos", required=True, help="folder of owner__name or owner/name git repositories (bare or not)")
+    ti.add_argument("--images", help="folder of image archives (<image, / and : as _>.tar)")
+    ti.add_argument("--env-specs", help="TOML of python specs by owner/name@version or owner/name")
+    ti.add_argument("--out", required=True, help="output folder (suite.toml + tasks.jsonl)")
+    ti.add_argument("--interpreter", default="", help="venv interpreter where no env spec names one")
+    ti.add_argument("--image-python", default="", help="the interpreter tests run with on an image base")
+    ti.add_argument("--split", default="train", help="the tasks' split")
+    ti.add_argument("--timeout-s", type=float, default=300.0, help="the tasks' test timeout")
+    ti.set_defaults(fn=cmd_tasks)
     topo = sub.add_parser("topology", help="print streams, consumers and subjects")
     topo.add_argument("--markdown", action="store_true", help="as the tables of docs/architecture.md")
     topo.set_defaults(fn=cmd_topology)

@@ -94,6 +94,12 @@ def find_repository(repos: Path, names: Iterable[str]) -> Path | None:
             for p in (repos / cand, repos / f"{cand}.git"):
                 if p.is_dir() and _git(p, "rev-parse", "--git-dir", check=False).returncode == 0:
                     return p.resolve()
+    for name in names:  # R2E-Gym names a repository without its owner
+        if "/" not in name:
+            for p in sorted([*repos.glob(f"*__{name}"), *repos.glob(f"*__{name}.git"), *repos.glob(f"*/{name}"),
+                             *repos.glob(f"*/{name}.git")]):
+                if p.is_dir() and _git(p, "rev-parse", "--git-dir", check=False).returncode == 0:
+                    return p.resolve()
     return None
 
 
