@@ -113,6 +113,8 @@ async def test_the_environment_runs_inside_and_the_layers_stay_untouched(pool, e
     d = await pool.diff(ref)
     assert d.changed == {"calc/__init__.py": "def add(a, b):\n    return a + b\n", "new.txt": "new\n"}
     assert d.deleted == ["blob.bin"] and d.binary == ["run.sh"]  # a mode change is not text
+    assert "deleted file mode 100644" in d.patch and "GIT binary patch" in d.patch  # the binary's removal
+    assert "diff --git a/run.sh b/run.sh\nold mode 100755\nnew mode 100644" in d.patch  # git keeps only the x bit
     if os.geteuid() == 0:  # the sandbox's own host uid owns what it sees, the layer is root's
         assert os.stat(workspace / "calc" / "__init__.py").st_uid not in (0, os.geteuid())
 
@@ -147,7 +149,10 @@ async def test_fork_shares_the_environment_and_copies_the_changes(pool):
     await pool.exec(ref, "echo later > later.txt", 10)
     assert (await pool.exec(ref, "cat p.txt", 10)).stdout == "parent\n"
     assert "No such file" in (await pool.exec(child, "cat later.txt 2>&1", 10)).stdout
-    assert (await pool.diff(child)).changed == {"p.txt": "child\n"}
+    await pool.exec(child, "mv calc/__init__.py calc/core.py", 10)
+    d = await pool.diff(child)
+    assert d.changed == {"p.txt": "child\n", "calc/core.py": "def add(a, b):\n    return a - b\n"}
+    assert "rename from calc/__init__.py\nrename to calc/core.py" in d.patch  # git-style: a rename, not delete + add
 
 
 async def test_snapshot_resumes_on_a_second_node(node, pool, bus):

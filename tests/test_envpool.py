@@ -340,7 +340,11 @@ async def test_diff_against_the_task(envpool, bus):
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")
     await pool.tools(ref, [call("edit_file", path="calc.py", old="a - b", new="a + b"), call("write_file", path="new/n.py", content="N = 1\n")])
-    await pool.exec(ref, "rm test_calc.py; head -c 100 /dev/urandom > blob.bin; ln -s /etc/passwd link", 5)
+    await pool.exec(ref, "rm test_calc.py; (printf '\\0'; head -c 100 /dev/urandom) > blob.bin; ln -s /etc/passwd link", 5)
     d = await pool.diff(ref)
     assert d.changed == {"calc.py": "def add(a, b):\n    return a + b\n", "new/n.py": "N = 1\n"}
     assert d.deleted == ["test_calc.py"] and d.binary == ["blob.bin", "link"]
+    # the same changes as a git-style patch: what git apply takes (binary and link included)
+    assert "diff --git a/calc.py b/calc.py" in d.patch and "+    return a + b" in d.patch
+    assert "deleted file mode 100644" in d.patch and "new file mode 120000" in d.patch
+    assert "GIT binary patch" in d.patch and "diff --git a/new/n.py b/new/n.py" in d.patch

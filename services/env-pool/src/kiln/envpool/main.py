@@ -204,8 +204,7 @@ async def serve(ctx: ServiceContext) -> None:
         return c.ToolResults(results=await tools.run_batch(sb, req.calls))
 
     async def on_diff(req: c.SandboxDiff) -> c.WorkspaceDiff:
-        changed, deleted, binary = await pool.diff(req.sandbox_id)
-        return c.WorkspaceDiff(changed=changed, deleted=deleted, binary=binary)
+        return await pool.diff(req.sandbox_id)
 
     async def on_renew(req: c.SandboxRenew) -> c.SandboxRenewed:
         return c.SandboxRenewed(sandbox_id=req.sandbox_id, expires_at=pool.renew(req.sandbox_id, req.ttl_s))

@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from kiln.shared import contracts as c
 from kiln.shared.bus import ServiceError
-from kiln.shared.contracts import ENVIRONMENT_ERROR
 from kiln.shared.tasks import TaskSuite
 
 from kiln.envpool import overlay
@@ -41,6 +42,7 @@ from kiln.envpool import upper as upp
 from kiln.envpool import workspace as wsp
 from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolSettings
+from kiln.envpool.patch import git_patch
 from kiln.envpool.sandbox import Identity, Limits, Sandbox
 
 log = logging.getLogger("kiln.envpool.pool")
@@ -184,7 +186,7 @@ class SandboxPool:
         try:
             built = await self.environments.get(self.suite.environments[task.environment])
         except EnvironmentBuildError as e:
-            raise ServiceError(str(e), ENVIRONMENT_ERROR) from None
+            raise ServiceError(str(e), c.ENVIRONMENT_ERROR) from None
         template = await self._template(task_id)
         layers = [overlay.LowerLayer(layer.path, owned=layer.name == "repository") for layer in built.layers]
         return built, (*layers, overlay.LowerLayer(template, owned=True))
@@ -318,15 +320,25 @@ class SandboxPool:
         await self.put_snapshot(key, data)
         return key, len(data), digest, lease.task_id
 
-    async def diff(self, sandbox_id: str) -> tuple[dict[str, str], list[str], list[str]]:
-        """The workspace as changes to its task's files (``workspace.diff``)."""
+    async def diff(self, sandbox_id: str) -> c.WorkspaceDiff:
+        """The workspace as changes to its task's start: files (``workspace.diff``, or
+        ``upper.diff`` over an environment) and a git-style patch of the same paths."""
         lease = self._get_lease(sandbox_id)
         view = lease.sandbox.view
         if view is not None:
             lowers = [layer.path / "workspace" for layer in reversed(view.layers)]
-            return await asyncio.to_thread(upp.diff, view.upper / "workspace", lowers)
-        template = await self._template(lease.task_id)
-        return await asyncio.to_thread(wsp.diff, template, lease.sandbox.workspace)
+            compare, before = functools.partial(upp.diff, view.upper / "workspace", lowers), functools.partial(upp.find_lower, lowers)
+        else:
+            template = await self._template(lease.task_id)
+            compare = functools.partial(wsp.diff, template, lease.sandbox.workspace)
+            before = lambda rel: template / rel if os.path.lexists(template / rel) else None  # noqa: E731
+
+        def both() -> c.WorkspaceDiff:
+            changed, deleted, binary = compare()
+            text, left_out = git_patch([*changed, *deleted, *binary], before, lease.sandbox.workspace)
+            return c.WorkspaceDiff(changed=changed, deleted=deleted, binary=binary, patch=text, patch_left_out=left_out)
+
+        return await asyncio.to_thread(both)
 
     def _lease(self, lease: Lease, run_id: str, ttl_s: float) -> Sandbox:
         lease.run_id = run_id

@@ -102,7 +102,7 @@ def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str],
             if is_whiteout(st):
                 deleted |= set(_lower_files(lowers, rel_dir / name))
                 continue
-            before = _find(lowers, rel)
+            before = find_lower(lowers, rel)
             if stat.S_ISLNK(st.st_mode):
                 if before is None or not before.is_symlink() or os.readlink(before) != os.readlink(full):
                     other.append(rel)
@@ -124,7 +124,7 @@ def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str],
     return changed, sorted(deleted - set(changed)), sorted(other)
 
 
-def _find(lowers: list[Path], rel: str) -> Path | None:
+def find_lower(lowers: list[Path], rel: str) -> Path | None:
     """The file a path shows in the merged lowers (topmost wins; a whiteout hides it)."""
     for layer in lowers:
         p = layer / rel

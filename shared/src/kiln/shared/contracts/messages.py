@@ -106,7 +106,13 @@ class WorkspaceDiff(Message):
     """Path -> new text of every added or modified text file."""
     deleted: list[str] = Field(default_factory=list)
     binary: list[str] = Field(default_factory=list)
-    """Added or modified files that are not text or are too large (not carried)."""
+    """Added or modified files that are not text or are too large, links, and mode changes
+    (not carried as text; ``patch`` has them)."""
+    patch: str = ""
+    """The same changes as a git-style patch against the task's start (renames, modes and
+    binary files included; ``git apply`` takes it), cut past 1 MiB."""
+    patch_left_out: list[str] = Field(default_factory=list)
+    """Changed files too large for ``patch`` (over 1 MiB each)."""
 
 
 class TrajectoryStatus(str, Enum):
