@@ -124,8 +124,13 @@ async def test_task_files_layer_and_sandboxes_do_not_see_each_other(pool):
     b = await pool.create("env-bugged")
     assert (await pool.exec(a, "cat calc/extra.py", 10)).stdout == "X = 1\n"
     await pool.exec(b, "echo secret-of-b > calc/extra.py; echo s > mine.txt", 10)
-    r = await pool.exec(a, "cat calc/extra.py; ls; cat /proc/self/mountinfo", 10)
+    r = await pool.exec(a, "cat calc/extra.py; ls; cat /proc/self/mountinfo; grep Seccomp: /proc/self/status", 10)
     assert "secret-of-b" not in r.stdout and "mine.txt" not in r.stdout
+    # the same isolation as plain sandboxes: the seccomp filter, and no host path in the
+    # overlay's options (its layers and upper directory reached it as descriptors)
+    assert "Seccomp:\t2" in r.stdout
+    overlay_line = next(line for line in r.stdout.splitlines() if " /workspace " in line)
+    assert "lowerdir+=/," in overlay_line and "kiln" not in overlay_line and "/var/" not in overlay_line, overlay_line
     assert (await pool.exec(b, "cat calc/extra.py", 10)).stdout == "secret-of-b\n"
 
 

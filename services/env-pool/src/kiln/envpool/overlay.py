@@ -4,8 +4,14 @@ mount per sandbox, the sandbox's own upper directory on top.
 A layer is a directory tree whose root stands for the sandbox's ``/`` (the repository
 under ``workspace/``, a virtualenv under ``opt/kiln/venv/``, or a whole root file
 system). A sandbox's view lives in its own folder: ``upper/`` (its writes), ``work/``
-(overlayfs's scratch), ``l<i>/`` (idmapped clones of the layers it may own) and
-``root/`` (the merged tree that bubblewrap binds).
+(overlayfs's scratch) and ``root/`` (the merged tree that bubblewrap binds).
+
+The overlay is made with the new mount API (``fsopen``/``fsconfig``/``fsmount``): every
+layer, and the sandbox's folder, reach overlayfs as file descriptors of detached mounts
+(``open_tree`` clones), so ``/proc/self/mountinfo`` inside the sandbox reads
+``lowerdir+=/,...,upperdir=/upper,workdir=/work``: no host path. Kernels before 6.13
+(no layers by descriptor) get the classic ``mount(2)`` options instead, which name the
+host folders; env-pool logs that once.
 
 Invariants:
 - nothing is copied at create: the layers sit read-only beneath (``lowerdir``), the
@@ -27,6 +33,7 @@ Needs root (CAP_SYS_ADMIN in the host's namespaces) and a kernel with idmapped m
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import stat
 import subprocess
@@ -34,8 +41,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger("kiln.envpool.overlay")
 _libc = ctypes.CDLL(None, use_errno=True)
-_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # same numbers on x86_64 and arm64
+# The new mount API: the same numbers on x86_64 and arm64.
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_MOUNT_SETATTR = 428, 429, 430, 431, 432, 442
+_FSOPEN_CLOEXEC, _FSMOUNT_CLOEXEC = 1, 1
+_FSCONFIG_SET_FD, _FSCONFIG_CMD_CREATE = 5, 6
 _OPEN_TREE_CLONE = 1
 _AT_FDCWD, _AT_EMPTY_PATH, _AT_RECURSIVE = -100, 0x1000, 0x8000
 _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_IDMAP = 0x1, 0x00100000
@@ -99,18 +110,59 @@ def _userns(uid: int, gid: int) -> int:
         proc.wait()
 
 
-def _attach(source: Path, target: Path, userns_fd: int | None) -> None:
-    """Bind ``source`` at ``target`` read-only, idmapped through ``userns_fd`` if given."""
+def _tree(source: Path, userns_fd: int | None, readonly: bool = True) -> int:
+    """A detached clone of ``source`` (read-only, idmapped through ``userns_fd`` if given)."""
     fd = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
                 f"open_tree {source}")  # fmt: skip
+    flags = (_MOUNT_ATTR_RDONLY if readonly else 0) | (_MOUNT_ATTR_IDMAP if userns_fd is not None else 0)
+    if flags:
+        attr = _MountAttr(flags, 0, 0, userns_fd or 0)
+        if _libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise OverlayError(f"idmapping {source}: {os.strerror(err)}")
+    return fd
+
+
+def _attach(fd: int, target: Path) -> None:
+    _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
+           f"attaching a mount at {target}")  # fmt: skip
+
+
+class _LayersByPathOnly(OverlayError):
+    """This kernel's overlayfs takes no layers by file descriptor."""
+
+
+def _overlay_by_fds(lowers: list[int], upper: int, work: int) -> int:
+    """A detached overlay mount of ``lowers`` (topmost first) under ``upper``."""
+    fs = _check(_libc.syscall(_SYS_FSOPEN, b"overlay", _FSOPEN_CLOEXEC), "fsopen overlay")
     try:
-        attr = _MountAttr(_MOUNT_ATTR_RDONLY | (_MOUNT_ATTR_IDMAP if userns_fd is not None else 0), 0, 0, userns_fd or 0)
-        _check(_libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
-               f"idmapping {source}")  # fmt: skip
-        _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
-               f"attaching {source}")  # fmt: skip
+        for key, fd in [*(("lowerdir+", fd) for fd in lowers), ("upperdir", upper), ("workdir", work)]:
+            if _libc.syscall(_SYS_FSCONFIG, fs, _FSCONFIG_SET_FD, key.encode(), None, fd) < 0:
+                err = ctypes.get_errno()
+                if err == 22 and key == "lowerdir+":  # EINVAL: no "lowerdir+" by descriptor before 6.13
+                    raise _LayersByPathOnly(os.strerror(err))
+                raise OverlayError(f"overlay {key}: {os.strerror(err)}")
+        if _libc.syscall(_SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0) < 0:
+            err = ctypes.get_errno()
+            raise OverlayError(f"creating the overlay: {os.strerror(err)} {_fs_log(fs)}".rstrip())
+        return _check(_libc.syscall(_SYS_FSMOUNT, fs, _FSMOUNT_CLOEXEC, 0), "fsmount overlay")
     finally:
-        os.close(fd)
+        os.close(fs)
+
+
+def _fs_log(fs: int) -> str:
+    """The kernel's messages about a failed filesystem context (what overlayfs objected to)."""
+    lines = []
+    for _ in range(8):
+        try:
+            lines.append(os.read(fs, 1024).decode(errors="replace").strip())
+        except OSError:
+            break
+    return "; ".join(lines)
+
+
+_legacy_warned = False
 
 
 def _umount(target: Path) -> None:
@@ -134,7 +186,7 @@ class OverlayView:
     layers: tuple[LowerLayer, ...]
     """Lowest first."""
     mounts: list[Path] = field(default_factory=list)
-    """Every mount this view made, in order (undone in reverse)."""
+    """Every mount point this view attached, in order (undone in reverse)."""
 
     @property
     def upper(self) -> Path:
@@ -152,21 +204,23 @@ class OverlayView:
         """Mount the view (the caller made ``dir``; ``upper`` may hold a restored state)."""
         for d in (self.upper, self.dir / "work", self.root):
             d.mkdir(parents=True, exist_ok=True)
-        lowers: list[Path] = []
+        userns = namespaces.fd(uid, gid if gid is not None else uid) if uid is not None else None
+        fds: list[int] = []
         try:
-            for i, layer in enumerate(self.layers):
-                if layer.owned and uid is not None:
-                    target = self.dir / f"l{i}"
-                    target.mkdir(exist_ok=True)
-                    _attach(layer.path, target, namespaces.fd(uid, gid if gid is not None else uid))
-                    self.mounts.append(target)
-                    lowers.append(target)
-                else:
-                    lowers.append(layer.path)
-            # overlayfs lists lower directories topmost first.
-            opts = f"lowerdir={':'.join(str(p) for p in reversed(lowers))},upperdir={self.upper},workdir={self.dir / 'work'}"
-            _check(_libc.mount(b"overlay", os.fsencode(self.root), b"overlay", 0, opts.encode()), f"mount overlay at {self.root}")
-            self.mounts.append(self.root)
+            lowers: list[tuple[LowerLayer, int]] = []
+            for layer in reversed(self.layers):  # overlayfs takes lower directories topmost first
+                lowers.append((layer, _tree(layer.path, userns if layer.owned else None)))
+                fds.append(lowers[-1][1])
+            folder = _tree(self.dir, None, readonly=False)
+            fds.append(folder)
+            fds += [os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=folder) for n in ("upper", "work")]
+            try:
+                merged = _overlay_by_fds([fd for _, fd in lowers], fds[-2], fds[-1])
+                fds.append(merged)
+                _attach(merged, self.root)
+                self.mounts.append(self.root)
+            except _LayersByPathOnly:
+                self._mount_by_paths(lowers)
             if uid is not None:
                 os.chown(self.upper, uid, gid if gid is not None else uid)
                 ws = self.workspace
@@ -175,6 +229,30 @@ class OverlayView:
         except BaseException:
             self.unmount()
             raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _mount_by_paths(self, lowers: list[tuple[LowerLayer, int]]) -> None:
+        """The classic mount(2) for kernels without layers by descriptor: idmapped layers
+        are attached under ``dir`` first; the options (visible inside) name host folders."""
+        global _legacy_warned
+        if not _legacy_warned:
+            _legacy_warned = True
+            log.warning("this kernel's overlayfs takes no layers by descriptor (6.13+): sandboxes' mountinfo shows host paths")
+        paths = []
+        for i, (layer, fd) in enumerate(lowers):
+            if layer.owned:
+                target = self.dir / f"l{i}"
+                target.mkdir(exist_ok=True)
+                _attach(fd, target)
+                self.mounts.append(target)
+                paths.append(target)
+            else:
+                paths.append(layer.path)
+        opts = f"lowerdir={':'.join(map(str, paths))},upperdir={self.upper},workdir={self.dir / 'work'}"
+        _check(_libc.mount(b"overlay", os.fsencode(self.root), b"overlay", 0, opts.encode()), f"mount overlay at {self.root}")
+        self.mounts.append(self.root)
 
     def unmount(self) -> None:
         while self.mounts:
