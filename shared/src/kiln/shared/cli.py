@@ -4,7 +4,9 @@
     kiln config show [--service NAME] [--config FILE] [--set ...]
     kiln config docs                                         configuration reference (markdown)
     kiln db upgrade [--url URL]                              apply migrations
-    kiln tasks list|validate [--suite SPEC]
+    kiln tasks list [--suite SPEC]
+    kiln tasks validate [--suite SPEC] [--task ID ...] [--jobs N] [--write-valid OUT.jsonl]   run each task's tests
+    kiln tasks synth --package NAME==VERSION ... | --repo DIR --out DIR [--max-per-package N] [--seed S]
     kiln tasks import --format F FILE.jsonl --repos DIR [--images DIR] --out DIR   public sets (docs/tasks.md)
     kiln topology                                            streams, consumers, subjects
     kiln health --file FILE [--max-age S]                    container healthcheck
@@ -106,6 +108,10 @@ def cmd_tasks(a) -> int:
         from kiln.shared.tasks.importing import cmd_import
 
         return cmd_import(a)
+    if a.action == "validate":
+        return cmd_tasks_validate(a)
+    if a.action == "synth":
+        return cmd_tasks_synth(a)
     suite = load_suite(a.suite)
     if a.action == "list":
         for t in suite.tasks:
@@ -113,6 +119,77 @@ def cmd_tasks(a) -> int:
     else:
         print(f"{len(suite)} valid tasks in {suite.source}")
     return 0
+
+
+def _environment_cache(root: str):
+    from pathlib import Path
+
+    from kiln.envpool.config import EnvPoolSettings
+    from kiln.envpool.environments import EnvironmentCache
+
+    settings = EnvPoolSettings()
+    return EnvironmentCache(Path(root or settings.environments_root), settings.environments_budget_bytes)
+
+
+def cmd_tasks_validate(a) -> int:
+    """Run each task's tests in its environment: the unchanged repository must fail every
+    FAIL_TO_PASS test and pass every PASS_TO_PASS one, the reference solution pass them all
+    (docs/tasks.md). Exit 1 when any task is rejected."""
+    import asyncio
+
+    from kiln.envpool.environments.validate import validate_suite, write_valid
+    from kiln.shared.tasks import load_suite
+
+    try:
+        suite = load_suite(a.suite)
+        for t in a.task:
+            suite.get(t)
+    except Exception as e:  # noqa: BLE001 - a suite that does not load is the user's error
+        print(f"kiln tasks validate: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+
+    def show(v) -> None:
+        print(v.describe(), flush=True)
+
+    verdicts = asyncio.run(validate_suite(suite, _environment_cache(a.root), a.task or None, a.jobs, on_verdict=show))
+    bad = [v for v in verdicts if not v.ok]
+    envs = {v.environment_error for v in bad if v.environment_error}
+    print(f"{len(verdicts)} tasks of {suite.source}: {len(verdicts) - len(bad)} valid, {len(bad)} rejected"
+          + (f" ({len(envs)} environment{'s' if len(envs) != 1 else ''} failed to build)" if envs else "")
+          + f" in {time.monotonic() - t0:.1f}s")
+    if a.write_valid:
+        path = write_valid(suite, [v.task_id for v in verdicts if v.ok], a.write_valid)
+        print(f"valid tasks written to {path}")
+    return 1 if bad else 0
+
+
+def cmd_tasks_synth(a) -> int:
+    """SWE-smith-style tasks from real packages and their own tests (docs/tasks.md)."""
+    import asyncio
+    from pathlib import Path
+
+    from kiln.envpool.environments.synth import Source, synthesize
+
+    try:
+        sources = [Source.parse(p) for p in a.package] + [Source.folder(r) for r in a.repo]
+    except ValueError as e:
+        print(f"kiln tasks synth: {e}", file=sys.stderr)
+        return 2
+    if not sources:
+        print("kiln tasks synth: name at least one --package NAME==VERSION or --repo DIR", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    reports = asyncio.run(synthesize(
+        sources, Path(a.out), _environment_cache(a.root), max_per_package=a.max_per_package, seed=a.seed,
+        held_out_fraction=a.held_out_fraction, jobs=a.jobs, interpreter=a.interpreter,
+        say=lambda s: print(s, flush=True)))
+    for r in reports:
+        splits = ", ".join(f"{k} {v}" for k, v in r.by_split.items())
+        print(f"{r.source}\t{r.kept} tasks ({splits}) from {r.candidates} candidates, {r.passing} passing tests, "
+              f"{r.seconds:.0f}s" + (f"\tFAILED: {r.error}" if r.error else ""))
+    print(f"suite written to {Path(a.out) / 'suite.toml'} in {time.monotonic() - t0:.0f}s")
+    return 1 if any(r.error or not r.kept for r in reports) else 0
 
 
 def topology_markdown() -> str:
@@ -236,10 +313,27 @@ def main(argv: list[str] | None = None) -> None:
     _config_args(up)
     up.set_defaults(fn=cmd_db_upgrade)
     t = sub.add_parser("tasks", help="task suites").add_subparsers(dest="action", required=True)
-    for action, text in (("list", "list a suite's tasks"), ("validate", "load and check a suite")):
-        ta = t.add_parser(action, help=text)
-        ta.add_argument("--suite", default="builtin")
-        ta.set_defaults(fn=cmd_tasks)
+    tl = t.add_parser("list", help="list a suite's tasks")
+    tl.add_argument("--suite", default="builtin")
+    tl.set_defaults(fn=cmd_tasks)
+    tv = t.add_parser("validate", help="run each task's tests unchanged and with its solution, in its environment")
+    tv.add_argument("--suite", default="builtin")
+    tv.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
+    tv.add_argument("--jobs", type=int, default=2, help="tasks checked at once")
+    tv.add_argument("--write-valid", default="", metavar="OUT.jsonl", help="write the valid tasks there (and a suite TOML beside it when they name environments)")
+    tv.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments_root)")
+    tv.set_defaults(fn=cmd_tasks)
+    ts = t.add_parser("synth", help="synthesize tasks from real packages' own tests (SWE-smith style)")
+    ts.add_argument("--package", action="append", default=[], metavar="NAME==VERSION", help="an sdist from the index (repeatable)")
+    ts.add_argument("--repo", action="append", default=[], metavar="DIR", help="a local package folder (repeatable)")
+    ts.add_argument("--out", required=True, help="output folder (suite.toml + tasks.jsonl)")
+    ts.add_argument("--max-per-package", type=int, default=6)
+    ts.add_argument("--seed", type=int, default=0)
+    ts.add_argument("--held-out-fraction", type=float, default=0.3, help="share of each package's modules held out (split heldout)")
+    ts.add_argument("--jobs", type=int, default=2, help="candidate test runs at once")
+    ts.add_argument("--interpreter", default="python3.11", help="the environments' venv interpreter")
+    ts.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments_root)")
+    ts.set_defaults(fn=cmd_tasks)
     ti = t.add_parser("import", help="import a public set (SWE-bench, SWE-Gym, SWE-smith, R2E-Gym) as a suite")
     ti.add_argument("file", help="the set's JSONL (or JSON list) of instances")
     ti.add_argument("--format", required=True, choices=["swe-bench", "swe-gym", "swe-smith", "r2e-gym"])

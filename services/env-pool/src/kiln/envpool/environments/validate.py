@@ -1,0 +1,224 @@
+"""``kiln tasks validate``: check each task of a suite in its environment (project issue 22).
+
+For every task, two runs of its ``test_command`` in a throwaway writable copy of the
+workspace (the environment's repository layer, the task's ``files`` over it, its
+``test_files`` written last), bound at ``/workspace`` over the environment's read-only
+layers with ``environment_bwrap_args``: no network, ``task.timeout_s``.
+
+- ``unchanged``: every FAIL_TO_PASS test fails (failed, error or not reported) and every
+  PASS_TO_PASS test passes;
+- ``solution``: with the reference ``solution`` written over the files (and the test files
+  written again, as the reward does before scoring), every one of them passes.
+
+A task without an environment runs on the host system (its ``/usr`` read-only, as plain
+sandboxes do) over a workspace holding only its files. An environment that cannot be
+built rejects its tasks without running them, naming the environment and the step.
+This is validation, not the hot path: the workspace is a plain copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kiln.shared.contracts import CaseStatus
+from kiln.shared.environments import WORKSPACE
+from kiln.shared.tasks import Task, TaskSuite
+from kiln.shared.tasks.report import outcome, parse_test_report
+
+from .cache import EnvironmentCache
+from .layers import BuiltEnvironment, EnvironmentBuildError
+from .sandbox import environment_bwrap_args
+
+HOST = BuiltEnvironment(name="host", digest="", host_base=True, layers=())
+"""What a task without an environment runs in: the host's system, an empty workspace."""
+TAIL_CHARS = 1500
+
+
+@dataclass
+class PhaseRun:
+    phase: str
+    """``unchanged`` or ``solution``."""
+    returncode: int | None
+    timed_out: bool
+    output: str
+    tests: dict[str, CaseStatus]
+    seconds: float
+
+
+@dataclass
+class Verdict:
+    task_id: str
+    ok: bool
+    reasons: list[str] = field(default_factory=list)
+    """Why the task is rejected, one line each (phase, test, what was expected)."""
+    output_tail: str = ""
+    """The tail of the output of the phase that rejected it."""
+    environment_error: str | None = None
+    runs: list[PhaseRun] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"ok {self.task_id} ({self.seconds:.1f}s)"
+        lines = [f"REJECTED {self.task_id}"] + [f"  {r}" for r in self.reasons]
+        if self.output_tail:
+            lines.append("  output tail:")
+            lines += [f"    | {x}" for x in self.output_tail.splitlines()]
+        return "\n".join(lines)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        if p.is_symlink() or (p.exists() and not p.is_file()):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def prepare_workspace(built: BuiltEnvironment, task: Task, dest: Path, solution: bool = False) -> Path:
+    """A writable copy of the environment's repository with the task's files, the solution
+    (when asked) and the test files written over it, in that order."""
+    repo = built.layer("repository")
+    src = repo.path / WORKSPACE.lstrip("/") if repo is not None else None
+    if src is not None and src.is_dir():
+        shutil.copytree(src, dest, symlinks=True)
+    else:
+        dest.mkdir(parents=True)
+    _write(dest, task.files)
+    if solution and task.solution:
+        _write(dest, task.solution)
+    _write(dest, task.test_files)
+    return dest
+
+
+async def run_tests(built: BuiltEnvironment, workspace: Path, command: str, timeout_s: float,
+                    env: dict[str, str] | None = None) -> tuple[int | None, bool, str, float]:
+    """Run ``command`` (bash) in ``built`` over ``workspace``: (returncode, timed out,
+    stdout+stderr, seconds). No network."""
+    argv = environment_bwrap_args(built, ["bash", "-c", command], workspace=workspace, env=env)
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                start_new_session=True)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        return proc.returncode, False, out.decode(errors="replace"), time.monotonic() - t0
+    except asyncio.TimeoutError:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        out = b""
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 10)
+        except asyncio.TimeoutError:
+            pass
+        return None, True, out.decode(errors="replace"), time.monotonic() - t0
+
+
+async def run_phase(built: BuiltEnvironment, task: Task, phase: str, scratch: Path) -> PhaseRun:
+    ws = await asyncio.to_thread(prepare_workspace, built, task, scratch / phase, phase == "solution")
+    try:
+        rc, timed_out, output, seconds = await run_tests(built, ws, task.test_command, task.timeout_s)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, ws, True)
+    tests = outcome(parse_test_report(output), task.fail_to_pass + task.pass_to_pass)
+    return PhaseRun(phase, rc, timed_out, output, tests, seconds)
+
+
+def _tail(text: str, n: int = TAIL_CHARS) -> str:
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def judge(task: Task, run: PhaseRun) -> list[str]:
+    """Reasons the phase's results reject the task (empty: as expected)."""
+    reasons = []
+    if run.timed_out:
+        return [f"{run.phase}: the tests timed out after {task.timeout_s:g}s"]
+    for t in task.fail_to_pass:
+        s = run.tests[t]
+        if run.phase == "unchanged" and s == CaseStatus.PASSED:
+            reasons.append(f"unchanged: FAIL_TO_PASS test {t} passes before the fix (it must fail)")
+        elif run.phase == "solution" and s != CaseStatus.PASSED:
+            reasons.append(f"solution: FAIL_TO_PASS test {t} is {s.value} with the reference solution (it must pass)")
+    for t in task.pass_to_pass:
+        s = run.tests[t]
+        if s != CaseStatus.PASSED:
+            where = "before the fix" if run.phase == "unchanged" else "with the reference solution"
+            reasons.append(f"{run.phase}: PASS_TO_PASS test {t} is {s.value} {where} (it must pass)")
+    return reasons
+
+
+async def validate_task(built: BuiltEnvironment, task: Task, scratch_root: Path | None = None) -> Verdict:
+    t0 = time.monotonic()
+    verdict = Verdict(task.id, ok=True)
+    with tempfile.TemporaryDirectory(prefix="kiln-validate-", dir=scratch_root) as scratch:
+        phases = ["unchanged", "solution"] if task.solution is not None else ["unchanged"]
+        for phase in phases:
+            run = await run_phase(built, task, phase, Path(scratch))
+            verdict.runs.append(run)
+            reasons = judge(task, run)
+            if reasons:
+                verdict.ok = False
+                verdict.reasons += reasons
+                verdict.output_tail = _tail(run.output)
+                break
+    if task.solution is None and verdict.ok:
+        verdict.reasons.append("no reference solution: only the unchanged repository was checked")
+    verdict.seconds = time.monotonic() - t0
+    return verdict
+
+
+async def validate_suite(suite: TaskSuite, cache: EnvironmentCache, task_ids: list[str] | None = None, jobs: int = 2,
+                         on_verdict: Callable[[Verdict], None] | None = None,
+                         scratch_root: Path | None = None) -> list[Verdict]:
+    """Validate the tasks (all, or ``task_ids``) of ``suite``, ``jobs`` at a time; each
+    environment is built (or found in ``cache``) once. Verdicts in the suite's order."""
+    tasks = [suite.get(t) for t in task_ids] if task_ids else list(suite.tasks)
+    built: dict[str, BuiltEnvironment | EnvironmentBuildError] = {}
+    for name in dict.fromkeys(t.environment for t in tasks if t.environment):
+        try:
+            built[name] = await cache.get(suite.environments[name])
+        except EnvironmentBuildError as e:
+            built[name] = e
+    sem = asyncio.Semaphore(max(1, jobs))
+
+    async def one(task: Task) -> Verdict:
+        env = built[task.environment] if task.environment else HOST
+        if isinstance(env, EnvironmentBuildError):
+            v = Verdict(task.id, ok=False, reasons=[f"environment {env.environment!r} cannot be built: {env.step} step failed"],
+                        output_tail=_tail(env.reason), environment_error=str(env))
+        else:
+            async with sem:
+                v = await validate_task(env, task, scratch_root)
+        if on_verdict is not None:
+            on_verdict(v)
+        return v
+
+    return list(await asyncio.gather(*(one(t) for t in tasks)))
+
+
+def write_valid(suite: TaskSuite, task_ids: list[str], out: str | Path) -> Path:
+    """The valid tasks as JSONL at ``out``; when they name environments, a TOML suite beside
+    it (``<out>.toml``) declaring them, which is then what to load."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tasks = [suite.get(t) for t in task_ids]
+    out.write_text("".join(t.model_dump_json() + "\n" for t in tasks))
+    names = list(dict.fromkeys(t.environment for t in tasks if t.environment))
+    if not names:
+        return out
+    from .synth import write_suite_file
+
+    return write_suite_file(out.with_suffix(".toml"), out.name, [suite.environments[n] for n in names])
