@@ -87,6 +87,33 @@ def test_envpool():
     assert re.search(r"^3 idle leased sandboxes created in [\d.]+ s; .* workspaces \d+ MiB of (tmpfs|disk)$", out, re.M), out
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="environment sandboxes need env-pool to run as root (overlayfs, idmapped mounts)")
+def test_environments():
+    """A small environment (a few-file dir repository, iniconfig) built on a fresh root
+    through a real node, beside the built-in text task; 3 idle sandboxes of each."""
+    out = bench("environments.py", "--small", "--n", "3", "--idle", "3", "--warm", "1")
+    rows = table(out, "| operation | p50 ms | p99 ms | n |")
+    names = [r[0] for r in rows]
+    assert names[0].startswith("cold build: first create on a fresh environments root (node; built in "), names
+    assert names[1].startswith("cached: `kiln env build` again") and names[2].startswith("cached: `EnvironmentCache.get`")
+    assert re.fullmatch(r"[\d.]+ s", rows[0][1]) and re.fullmatch(r"[\d.]+ s", rows[1][1]) and re.fullmatch(r"[\d.]+ ms", rows[2][1])
+    assert names[3:] == [
+        "create -> `true` -> destroy, text task `fix-calc`", "create -> `true` -> destroy, environment task `env-task`",
+        "create -> `python3 -c pass` -> destroy, text task `fix-calc`",
+        "create -> `python -c 'import iniconfig'` -> destroy, environment task `env-task`",
+        "fork of an environment sandbox (5 changed, 1 deleted file(s))", "fork of a text sandbox (5 changed, 0 deleted file(s))",
+        "overlay view mount (3 layers, 2 idmapped), in process", "overlay view unmount, in process",
+    ]  # fmt: skip
+    for r in rows[3:]:
+        for x in r[1:]:
+            number(x)
+    targets = table(out, "| target | measured | met |")
+    assert len(targets) == 4 and all(r[2] in ("yes", "no") for r in targets), targets
+    assert re.search(r"^environment bench-small \(\w+\): layers python [\d.]+ MiB, repository [\d.]+ MiB", out, re.M), out
+    for kind, task in (("text", "fix-calc"), ("environment", "env-task")):
+        assert re.search(rf"^3 idle leased {kind} sandboxes \(`{task}`\) created in [\d.]+ s: node folder [\d.,]+ MiB .* mounts [+-]\d+; destroyed", out, re.M), out
+
+
 def test_learner():
     """One precision, in all three layouts (one process, and two under torchrun: EP, FSDP2)."""
     out = bench("learner.py", "--steps", "1", "--rows", "2", "--seq", "32", "--precisions", "mxfp8")
