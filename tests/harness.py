@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,20 +43,12 @@ def experiment(run_dir: Path, nats_url: str, db_url: str, **sections) -> Path:
     return path
 
 
-def toml_inline(v) -> str:
-    """A value as TOML (inline tables for dicts: ``render_toml`` writes no arrays of tables)."""
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {toml_inline(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_inline(x) for x in v) + "]"
-    return json.dumps(v)
-
-
 def write_suite(folder: Path, tasks: list, environments: list[dict]) -> Path:
     """A TOML task suite in ``folder``: ``tasks.jsonl`` and the environments it declares."""
-    (folder / "tasks.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in tasks))
-    (folder / "suite.toml").write_text(f'tasks = "tasks.jsonl"\nenvironments = {toml_inline(environments)}\n')
-    return folder / "suite.toml"
+    from kiln.shared.environments import EnvironmentSpec
+    from kiln.shared.tasks import write_suite as write
+
+    return write(tasks, [EnvironmentSpec.model_validate(e) for e in environments], folder)
 
 
 @dataclass

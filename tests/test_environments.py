@@ -118,11 +118,17 @@ def test_repository_kinds_keep_bytes_and_modes(tmp_path):
     assert head.digest() != EnvironmentSpec(name="g", repository=g).digest()
 
     (repo / "data.bin").write_bytes(BIN)
+    def foreign(m):  # an sdist's files belong to whoever packed it: never kept in a repository
+        m.uid, m.gid = 1001, 127
+        return None if ".git" in m.name else m
+
     with tarfile.open(tmp_path / "r.tar.gz", "w:gz") as tf:
-        tf.add(str(repo), arcname="proj-1.0", filter=lambda m: None if ".git" in m.name else m)
+        tf.add(str(repo), arcname="proj-1.0", filter=foreign)
     materialize_repository(spec({"kind": "archive", "path": str(tmp_path / "r.tar.gz"), "strip_components": 1}),
                            tmp_path / "out-tar")
     check_tree(tmp_path / "out-tar")
+    owners = {p.lstat().st_uid for p in (tmp_path / "out-tar").rglob("*")}
+    assert owners == {os.geteuid()}, owners  # the builder's: what a sandbox's idmapped view makes its own
     with zipfile.ZipFile(tmp_path / "r.zip", "w") as zf:
         for p in repo.rglob("*"):
             if p.is_file() and ".git" not in p.parts:
@@ -296,6 +302,7 @@ async def test_layer_store_round_trip_over_nats(tmp_path, bus):
     a = EnvironmentCache(tmp_path / "node-a", budget_bytes=10 << 30, store=store)
     built = await a.get(spec)
     assert a.builds == 1
+    await a.published()  # stored in the background: the first sandbox does not wait for it
     for layer in built.layers:
         assert await store.has(layer.digest)
     b = EnvironmentCache(tmp_path / "node-b", budget_bytes=10 << 30, store=NatsLayerStore(bus.js))

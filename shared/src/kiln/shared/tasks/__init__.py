@@ -28,6 +28,7 @@ environments in ``environments.toml``. Every environment a task names must be de
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from functools import lru_cache
 from pathlib import Path
@@ -158,3 +159,41 @@ def _load_dir_task(d: Path) -> Task:
     if (d / "solution").is_dir():
         meta["solution"] = _read_tree(d / "solution")
     return Task.model_validate(meta)
+
+
+def _toml(v) -> str:
+    """A value as inline TOML (``render_toml`` writes no arrays of tables)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items() if x is not None) + "}"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def write_suite(tasks: list[Task], environments: list[EnvironmentSpec], out: str | Path, comment: str = "") -> Path:
+    """A TOML suite: ``OUT/suite.toml`` (``tasks = "tasks.jsonl"`` and the
+    ``[[environments]]``) and ``OUT/tasks.jsonl``; returns the suite file."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {comment}"] if comment else []
+    lines += ['tasks = "tasks.jsonl"', ""]
+    for env in environments:
+        lines.append("[[environments]]")
+        for k, v in env.model_dump(mode="json").items():
+            if v is not None and v != []:
+                lines.append(f"{k} = {_toml(v)}")
+        lines.append("")
+    tmp = out / "tasks.jsonl.partial"
+    with open(tmp, "w") as f:
+        for t in tasks:
+            f.write(t.model_dump_json() + "\n")
+    os.replace(tmp, out / "tasks.jsonl")
+    (out / "suite.toml").write_text("\n".join(lines))
+    return out / "suite.toml"
+

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kiln.shared.environments import EnvironmentSpec, GitRepository, HostBase, OciBase, PythonSpec
-from kiln.shared.tasks import Task
+from kiln.shared.tasks import Task, write_suite
 
 FORMATS = ("swe-bench", "swe-gym", "swe-smith", "r2e-gym")
 DEFAULT_INTERPRETER = PythonSpec.model_fields["interpreter"].default
@@ -633,41 +633,6 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items() if x is not None) + "}"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def write_suite(result: ImportResult, out: str | Path) -> Path:
-    """``OUT/suite.toml`` (``tasks = "tasks.jsonl"`` and ``[[environments]]``) and
-    ``OUT/tasks.jsonl``; returns the suite file."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = ['# written by kiln tasks import', 'tasks = "tasks.jsonl"', ""]
-    for env in result.environments:
-        lines.append("[[environments]]")
-        for k, v in env.model_dump(mode="json").items():
-            if v is not None and v != []:
-                lines.append(f"{k} = {_toml(v)}")
-        lines.append("")
-    tmp = out / "tasks.jsonl.partial"
-    with open(tmp, "w") as f:
-        for t in result.tasks:
-            f.write(t.model_dump_json(exclude_defaults=False) + "\n")
-    os.replace(tmp, out / "tasks.jsonl")
-    (out / "suite.toml").write_text("\n".join(lines))
-    return out / "suite.toml"
-
-
 def cmd_import(a) -> int:
     """``kiln tasks import``: print a summary; exit 1 only when nothing was imported."""
     import sys
@@ -684,7 +649,7 @@ def cmd_import(a) -> int:
     for iid, reason in result.skipped:
         print(f"skipped {iid}: {reason}")
     if result.tasks:
-        suite = write_suite(result, a.out)
+        suite = write_suite(result.tasks, result.environments, a.out, "written by kiln tasks import")
         print(f"imported {len(result.tasks)} tasks over {len(result.environments)} environments into {suite}; "
               f"skipped {len(result.skipped)}")
         return 0

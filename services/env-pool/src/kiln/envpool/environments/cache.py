@@ -54,6 +54,8 @@ class EnvironmentCache:
         self._pending: dict[str, asyncio.Future[BuiltEnvironment]] = {}
         self._failed: dict[str, EnvironmentBuildError] = {}
         self._pins: dict[str, int] = {}
+        self._uploads: set[asyncio.Task] = set()
+        """Layers being stored for other nodes (``published`` waits for them)."""
         for d in ("layers", "envs", "uv-cache", "locks", "build"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._remove_stale_partials()
@@ -145,13 +147,29 @@ class EnvironmentCache:
                 missing |= coupled
         built = await asyncio.to_thread(self._locked, plan.digest, self._build_sync, plan, missing)
         if self.store is not None:
+            # In the background: the first sandbox must not wait for the upload (packing a
+            # 250 MB environment took 13 s of a 17 s first create). Pinned meanwhile.
+            self.pin(plan.digest)
+            task = asyncio.create_task(self._publish(plan.spec.name, built))
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
+        await asyncio.to_thread(self.evict, keep=plan.digest)
+        return built
+
+    async def _publish(self, name: str, built: BuiltEnvironment) -> None:
+        try:
             for layer in built.layers:
                 try:
                     await self.store.put(layer.digest, layer.path)
                 except Exception as e:  # noqa: BLE001 - sharing is best effort
-                    log.warning("environment %s: storing layer %s failed: %s", plan.spec.name, layer.digest[:12], e)
-        await asyncio.to_thread(self.evict, keep=plan.digest)
-        return built
+                    log.warning("environment %s: storing layer %s failed: %s", name, layer.digest[:12], e)
+        finally:
+            self.unpin(built.digest)
+
+    async def published(self) -> None:
+        """Until every layer this cache built has been offered to the store."""
+        while self._uploads:
+            await asyncio.gather(*list(self._uploads))
 
     def _locked(self, digest: str, fn, *args):
         with open(self.root / "locks" / f"{digest}.lock", "w") as lock:

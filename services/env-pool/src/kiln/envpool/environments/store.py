@@ -27,7 +27,7 @@ def _pack(path: Path, out) -> None:
 def _unpack(src, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=src, mode="r:gz") as tf:
-        extract_tar(tf, dest)
+        extract_tar(tf, dest, owners=True)  # as packed: a root filesystem keeps its owners
 
 
 class NatsLayerStore:

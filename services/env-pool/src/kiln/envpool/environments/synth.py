@@ -459,7 +459,7 @@ def _task(source: Source, spec: EnvironmentSpec, m: Mutation, run: TestRun, pass
 
 def _toml(v) -> str:
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items() if x is not None) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, bool):

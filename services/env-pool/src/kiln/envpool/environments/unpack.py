@@ -64,9 +64,11 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
 
 
-def extract_tar(tf: tarfile.TarFile, dest: Path, strip: int = 0, whiteouts: bool = False) -> None:
-    """Extract regular files, folders, symlinks and hard links with their modes (and, as root,
-    owners). ``whiteouts``: OCI semantics, ``.wh.NAME`` deletes NAME from the layers below and
+def extract_tar(tf: tarfile.TarFile, dest: Path, strip: int = 0, whiteouts: bool = False, owners: bool = False) -> None:
+    """Extract regular files, folders, symlinks and hard links with their modes (and with
+    ``owners``, as root, their owners: a root filesystem's; a repository's files are the
+    builder's, root's, which is what a sandbox's idmapped view makes its own).
+    ``whiteouts``: OCI semantics, ``.wh.NAME`` deletes NAME from the layers below and
     ``.wh..wh..opq`` empties its folder of them (both applied before this layer's files)."""
     members = tf.getmembers()
     if whiteouts:
@@ -86,7 +88,7 @@ def extract_tar(tf: tarfile.TarFile, dest: Path, strip: int = 0, whiteouts: bool
                 if victim.exists() or victim.is_symlink():
                     _remove(victim)
         members = keep
-    as_root = os.geteuid() == 0
+    as_root = owners and os.geteuid() == 0
     dirs: list[tuple[Path, tarfile.TarInfo]] = []
     for m in members:
         rel = _member_path(m.name, strip)
@@ -286,7 +288,7 @@ def unpack_oci(archive: Path, dest: Path) -> None:
                     shutil.copyfileobj(blob, tmp, 1 << 20)
                     tmp.seek(0)
                     with tarfile.open(fileobj=tmp, mode="r:*") as layer:
-                        extract_tar(layer, dest, whiteouts=True)
+                        extract_tar(layer, dest, whiteouts=True, owners=True)
     except (tarfile.TarError, KeyError, IndexError, ValueError, EOFError, OSError) as e:
         raise UnpackError(f"cannot unpack image {archive.name}: {type(e).__name__}: {e}") from e
 
