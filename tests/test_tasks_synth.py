@@ -214,14 +214,14 @@ def test_validate_rejects_broken_tasks_with_reasons(synthesized, tmp_path):
 
 # -- three packages (slow tier) -----------------------------------------------------------------
 
-THREE = ("itsdangerous==2.2.0", "packaging==24.2", "python-dateutil==2.9.0.post0")
+THREE = ("itsdangerous==2.2.0", "humanize==4.11.0", "python-dateutil==2.9.0.post0")
 
 
 @pytest.mark.slow
 @needs_bwrap
 def test_three_packages(tmp_path):
     """The suite docs/tasks.md describes: three packages whose tests need third-party
-    modules the host lacks (freezegun; pretend; six, freezegun and hypothesis)."""
+    modules the host lacks (freezegun; freezegun; six, freezegun and hypothesis)."""
     cmd = [sys.executable, "-m", "kiln.shared.cli", "tasks", "synth", "--out", str(tmp_path / "out"),
            "--max-per-package", "3", "--seed", "0", "--root", str(tmp_path / "envs")]
     for p in THREE:

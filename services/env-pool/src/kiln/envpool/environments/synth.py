@@ -59,7 +59,7 @@ from .validate import prepare_workspace, run_tests, validate_task
 
 log = logging.getLogger(__name__)
 
-PYTEST = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -rA -p no:cacheprovider"
+PYTEST = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -rA -p no:cacheprovider --color=no"
 """How synthesized tasks run their tests (restricted to their test files)."""
 TRAIN, HELDOUT = "train", "heldout"
 TEST_EXTRAS = ("test", "tests", "testing")
@@ -351,13 +351,17 @@ async def synthesize_package(source: Source, cache: EnvironmentCache, *, max_tas
             finally:
                 await asyncio.to_thread(shutil.rmtree, ws, True)
 
-        first = await in_copy({}, [], 900, "baseline")
+        first = await in_copy({}, ["--continue-on-collection-errors"], 900, "baseline")
         modules = source_modules(base)
         passing = {t for t, s in first.status.items() if s == CaseStatus.PASSED and is_test_path(t.split("::")[0])
                    and t.split("::")[0] not in modules}
         rep.passing = len(passing)
         say(f"{source.env_name}: {len(passing)} passing tests of {len(first.status)} reported in {first.seconds:.1f}s; "
             f"{len(modules)} source modules")
+        if first.timed_out:
+            rep.error = f"the test suite did not finish in {900}s"
+            rep.seconds = time.monotonic() - t0
+            return spec, [], rep
         if not passing:
             rep.error = f"no passing tests (pytest exited {first.returncode}): {first.output[-800:]}"
             rep.seconds = time.monotonic() - t0
