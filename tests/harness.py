@@ -51,6 +51,46 @@ def write_suite(folder: Path, tasks: list, environments: list[dict]) -> Path:
     return write(tasks, [EnvironmentSpec.model_validate(e) for e in environments], folder)
 
 
+async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Path, suite: Path, env_root: Path):
+    """Every task of ``suite`` that has a solution, scored by a real env-pool and reward:
+    once unchanged, once with its solution written by the agent's ``write_file`` tool.
+    Returns ({trajectory id: (reward, infra_error)}, what a sound reward gives: 0 and 1)."""
+    from kiln.shared import contracts as c
+    from kiln.shared.db import Database, Run
+    from kiln.shared.envpool_client import EnvPoolClient
+    from kiln.shared.tasks import load_suite
+
+    from test_reward import scored_messages, trajectory
+
+    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, db_url, envpool=envpool, tasks={"suite": str(suite)}))
+    run_id = p.config("reward").run.id
+    db = Database(db_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    await db.close()
+    await p.start("env-pool", instance="env-r")
+    await p.start("reward")
+    try:
+        pool = EnvPoolClient(bus)
+        want = {}
+        for t in [t for t in load_suite(str(suite)).tasks if t.solution]:
+            unchanged = await pool.create(t.id)
+            solved = await pool.create(t.id)
+            calls = [c.ToolCall(id=str(i), name="write_file", arguments={"path": f, "content": text})
+                     for i, (f, text) in enumerate(sorted(t.solution.items()))]  # fmt: skip
+            assert all(r.error is None for r in await pool.tools(solved, calls))
+            for kind, ref in (("unchanged", unchanged), ("solved", solved)):
+                tr = trajectory(run_id, ref, tid=f"{t.id}-{kind}").model_copy(update={"task_id": t.id})
+                want[tr.trajectory_id] = (1.0 if kind == "solved" else 0.0, None)
+                await bus.publish(c.TRAJECTORY_FINISHED, tr, msg_id=tr.trajectory_id)
+        assert want, f"no task of {suite} has a solution"
+        scored = await scored_messages(bus, len(want), timeout=120 + 60 * len(want))
+        return {s.trajectory.trajectory_id: (s.reward, s.infra_error) for s in scored}, want
+    finally:
+        await p.stop_all()
+
+
 @dataclass
 class Running:
     name: str

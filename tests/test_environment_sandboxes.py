@@ -19,7 +19,7 @@ from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task
 
-from harness import InProcessPlatform, experiment, wait_for, write_suite
+from harness import InProcessPlatform, experiment, score_unchanged_and_solved, wait_for, write_suite
 
 pytestmark = pytest.mark.skipif(overlay.supported() is not None, reason=str(overlay.supported()))
 
@@ -211,38 +211,8 @@ async def test_an_environment_that_cannot_be_built_is_a_clear_error(nats_server,
 async def test_environment_tasks_score_through_reward(nats_server, bus, pg_url, run_dir, suite, env_root):
     """Real reward on environment sandboxes: the unchanged repository scores 0, the
     reference solution written with the agent's own tool scores 1."""
-    from kiln.shared.db import Database, Run
-    from kiln.shared.tasks import load_suite
-
-    from test_reward import scored_messages, trajectory
-
-    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, pg_url, envpool=envpool, tasks={"suite": str(suite)}))
-    run_id = p.config("reward").run.id
-    db = Database(pg_url)
-    async with db.session() as s:
-        s.add(Run(id=run_id, name="t"))
-    await db.close()
-    await p.start("env-pool", instance="env-r")
-    await p.start("reward")
-    try:
-        pool = EnvPoolClient(bus)
-        sent = {}
-        for t in [t for t in load_suite(str(suite)).tasks if t.solution]:
-            unchanged = await pool.create(t.id)
-            solved = await pool.create(t.id)
-            calls = [c.ToolCall(id=str(i), name="write_file", arguments={"path": f, "content": text})
-                     for i, (f, text) in enumerate(sorted(t.solution.items()))]  # fmt: skip
-            assert all(r.error is None for r in await pool.tools(solved, calls))
-            for kind, ref in (("unchanged", unchanged), ("solved", solved)):
-                tr = trajectory(run_id, ref, tid=f"{t.id}-{kind}").model_copy(update={"task_id": t.id})
-                sent[tr.trajectory_id] = 1.0 if kind == "solved" else 0.0
-                await bus.publish(c.TRAJECTORY_FINISHED, tr, msg_id=tr.trajectory_id)
-        assert sent
-        got = {s.trajectory.trajectory_id: s for s in await scored_messages(bus, len(sent), timeout=300)}
-        assert {k: (v.reward, v.infra_error) for k, v in got.items()} == {k: (r, None) for k, r in sent.items()}
-    finally:
-        await p.stop_all()
+    got, want = await score_unchanged_and_solved(nats_server, bus, pg_url, run_dir, suite, env_root)
+    assert got == want
 
 
 @pytest.mark.timeout(400)

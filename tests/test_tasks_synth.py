@@ -159,6 +159,18 @@ async def test_synthesized_tasks_validate_and_split_by_module(synthesized):
 
 
 @needs_bwrap
+async def test_synthesized_tasks_score_through_env_pool_and_reward(synthesized, nats_server, bus, pg_url, run_dir):
+    """Every synthesized task through a real env-pool (its environment's copy-on-write
+    sandboxes) and a real reward: the unchanged repository scores 0, the reference
+    solution written with the agent's tool scores 1."""
+    from harness import score_unchanged_and_solved
+
+    path, root, _ = synthesized
+    got, want = await score_unchanged_and_solved(nats_server, bus, pg_url, run_dir, path, root)
+    assert len(want) == 2 * 3 and got == want
+
+
+@needs_bwrap
 def test_the_same_seed_makes_the_same_tasks(synthesized, tmp_path):
     path, root, _ = synthesized
     run = _synth(tmp_path / "again", root)
