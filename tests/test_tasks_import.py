@@ -28,7 +28,8 @@ from kiln.shared.cli import main
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import GitRepository, HostBase, OciBase
 from kiln.shared.tasks import load_suite
-from kiln.shared.tasks.importing import convert_id, patch_paths, r2e_parse_log
+from kiln.shared.tasks.importing import r2e_parse_log
+from kiln.shared.tasks.swe import convert_id, patch_paths
 from kiln.shared.tasks.report import outcome, parse_test_report
 
 
@@ -344,7 +345,7 @@ def test_id_and_patch_helpers():
     # sympy's bin/test ids: a bare name, found in the instance's test files
     assert convert_id("test_sqrt", {"sympy/t/test_a.py": "def test_other():\n    pass\ndef test_sqrt():\n    pass\n"}) \
         == ("pytest", "sympy/t/test_a.py::test_sqrt")
-    from kiln.shared.tasks.importing import Skip
+    from kiln.shared.tasks.swe import Skip
 
     with pytest.raises(Skip, match="defines it"):
         convert_id("test_nowhere", {})
