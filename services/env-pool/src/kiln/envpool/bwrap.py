@@ -83,25 +83,32 @@ class System:
         return [self.mounts[i + 1] for i, a in enumerate(self.mounts) if a == "--ro-bind"] + self.files
 
 
+def host_system_binds(ro_binds: list[str]) -> list[str]:
+    """bwrap options showing the host's system read-only: ``ro_binds`` that exist, and the
+    usr-merge tops (``/bin`` etc.) as the links or folders they are here."""
+    args: list[str] = []
+    for p in ro_binds:
+        if os.path.exists(p):
+            args += ["--ro-bind", p, p]
+    for name in _USRMERGE:
+        top = Path("/") / name
+        if top.is_symlink():
+            args += ["--symlink", os.readlink(top), str(top)]
+        elif top.is_dir():
+            args += ["--ro-bind", str(top), str(top)]
+    return args
+
+
 def system_args(ro_binds: list[str], etc_dir: Path, seccomp: bool = True) -> System:
     """The read-only system every sandbox sees (computed once per node, with the seccomp
     filter when ``seccomp``; ``write_identity_files(etc_dir)`` first)."""
-    mounts: list[str] = []
+    mounts = host_system_binds(ro_binds)
     files: list[str] = []
 
     def fd(path: Path) -> str:
         files.append(str(path))
         return str(FIRST_FILE_FD + len(files) - 1)
 
-    for p in ro_binds:
-        if os.path.exists(p):
-            mounts += ["--ro-bind", p, p]
-    for name in _USRMERGE:
-        top = Path("/") / name
-        if top.is_symlink():
-            mounts += ["--symlink", os.readlink(top), str(top)]
-        elif top.is_dir():
-            mounts += ["--ro-bind", str(top), str(top)]
     # Copied by bwrap into a file of its own, not bound from the node's folder: a bind
     # mount shows its source's host path in /proc/self/mountinfo.
     identity: list[str] = []

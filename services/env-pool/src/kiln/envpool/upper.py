@@ -24,7 +24,7 @@ import tarfile
 from pathlib import Path
 
 from kiln.envpool.overlay import OPAQUE_MARKER, WHITEOUT_PREFIX, copy_upper, is_opaque, is_whiteout, make_opaque, make_whiteout
-from kiln.envpool.workspace import MAX_DIFF_FILE, SKIP
+from kiln.envpool.workspace import SKIP, record_change
 
 
 def snapshot(upper: Path) -> tuple[bytes, str]:
@@ -114,13 +114,7 @@ def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str],
                 if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(st.st_mode):
                     other.append(rel)  # a mode change only
                 continue  # copied up (opened for writing, touched, chowned) but unchanged
-            if len(data) > MAX_DIFF_FILE:
-                other.append(rel)
-                continue
-            try:
-                changed[rel] = data.decode()
-            except UnicodeDecodeError:
-                other.append(rel)
+            record_change(rel, data, changed, other)
     return changed, sorted(deleted - set(changed)), sorted(other)
 
 

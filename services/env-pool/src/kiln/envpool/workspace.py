@@ -12,6 +12,7 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import tarfile
 from pathlib import Path
 
@@ -80,6 +81,17 @@ def restore(data: bytes, sha256: str | None, dest: Path) -> None:
 MAX_DIFF_FILE = 256 * 1024
 
 
+def record_change(rel: str, data: bytes, changed: dict[str, str], other: list[str]) -> None:
+    """A changed file's new bytes: carried as text when small text, else listed in ``other``."""
+    if len(data) > MAX_DIFF_FILE:
+        other.append(rel)
+        return
+    try:
+        changed[rel] = data.decode()
+    except UnicodeDecodeError:
+        other.append(rel)
+
+
 def diff(template: Path, root: Path) -> tuple[dict[str, str], list[str], list[str]]:
     """(changed text files, deleted paths, changed files not carried: binary, too large or links)."""
     changed: dict[str, str] = {}
@@ -97,14 +109,10 @@ def diff(template: Path, root: Path) -> tuple[dict[str, str], list[str], list[st
                 continue
             data = full.read_bytes()
             if before.is_file() and not before.is_symlink() and before.read_bytes() == data:
+                if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(full.lstat().st_mode):
+                    other.append(rel)  # a mode change only
                 continue
-            if len(data) > MAX_DIFF_FILE:
-                other.append(rel)
-                continue
-            try:
-                changed[rel] = data.decode()
-            except UnicodeDecodeError:
-                other.append(rel)
+            record_change(rel, data, changed, other)
     deleted = sorted(
         str(p.relative_to(template)) for p in template.rglob("*") if p.is_file() and str(p.relative_to(template)) not in seen
     )

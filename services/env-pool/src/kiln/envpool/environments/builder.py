@@ -18,6 +18,8 @@ from pathlib import Path
 
 from kiln.shared.environments import VENV, WORKSPACE, DebianBase, EnvironmentSpec, OciBase
 
+from kiln.envpool.bwrap import host_system_binds
+
 from .layers import EnvironmentBuildError, LayerPlan
 from .unpack import UnpackError, materialize_repository, unpack_oci
 
@@ -25,7 +27,6 @@ HOST_RO_BINDS = ("/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl", "/
                  "/etc/ca-certificates", "/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf",
                  "/etc/passwd", "/etc/group")
 """Host paths the build sandbox of a host-base environment binds read-only (missing ones skipped)."""
-_USRMERGE = ("bin", "lib", "lib32", "lib64", "sbin")
 ROOTFS_DIRS = ("workspace", "opt/kiln", "tmp", "proc", "dev")
 """Folders a debian/oci base layer gets (mount points of the sandboxes)."""
 ROOTFS_FILES = ("etc/resolv.conf", "etc/hosts")
@@ -103,15 +104,7 @@ class BuildSandbox:
         if self.network:
             a.append("--share-net")
         if self.rootfs is None:
-            for p in HOST_RO_BINDS:
-                if os.path.exists(p):
-                    a += ["--ro-bind", p, p]
-            for top in _USRMERGE:
-                t = Path("/") / top
-                if t.is_symlink():
-                    a += ["--symlink", os.readlink(t), str(t)]
-                elif t.is_dir():
-                    a += ["--ro-bind", str(t), str(t)]
+            a += host_system_binds(HOST_RO_BINDS)
         else:
             a += ["--ro-bind", str(self.rootfs), "/"]
             for f in ("/etc/resolv.conf", "/etc/hosts"):

@@ -4,12 +4,13 @@ layers with overlayfs instead (a writable upper over them)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from kiln.shared.environments import VENV, WORKSPACE
 
-from .builder import _USRMERGE, HOST_RO_BINDS
+from kiln.envpool.bwrap import host_system_binds
+
+from .builder import HOST_RO_BINDS
 from .layers import BuiltEnvironment
 
 
@@ -23,15 +24,7 @@ def environment_bwrap_args(built: BuiltEnvironment, command: list[str], *, netwo
         a.append("--share-net")
     base = built.layer("base")
     if base is None:
-        for p in HOST_RO_BINDS:
-            if os.path.exists(p):
-                a += ["--ro-bind", p, p]
-        for top in _USRMERGE:
-            t = Path("/") / top
-            if t.is_symlink():
-                a += ["--symlink", os.readlink(t), str(t)]
-            elif t.is_dir():
-                a += ["--ro-bind", str(t), str(t)]
+        a += host_system_binds(HOST_RO_BINDS)
     else:
         a += ["--ro-bind", str(base.path), "/"]
     a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/opt/kiln"]
