@@ -163,7 +163,9 @@ async def test_fork_shares_the_environment_and_copies_the_changes(pool):
 async def test_snapshot_resumes_on_a_second_node(node, pool, bus):
     await node.start("env-pool", instance="env-b")
     ref = await pool.create("env-fix")
-    await pool.exec(ref, "mkdir -p notes && echo kept > notes/n.txt && rm blob.bin && chmod 700 run.sh", 10)
+    # files named like the snapshot format's markers are the agent's: they delete nothing on restore
+    await pool.exec(ref, "mkdir -p notes && echo kept > notes/n.txt && rm blob.bin && chmod 700 run.sh && "
+                         "touch .wh.run.sh .wh.. notes/.wh..wh..opq", 10)  # fmt: skip
     snap = await pool.snapshot(ref)
     elsewhere = None
     for _ in range(40):  # restore until one lands on the other node: the queue group picks

@@ -9,11 +9,13 @@ never the repository's size.
 Invariants: links are copied as links (never followed: a workspace is untrusted); a file
 above ``MAX_PATCH_FILE`` stays out of the patch and is listed instead; the scratch
 repository runs with no user or system configuration (no hooks, filters or attributes
-reach git from outside it).
+reach git from outside it); nothing in the workspace makes the diff fail: if git does,
+the patch is left out (every path listed), never raised.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -21,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+log = logging.getLogger("kiln.envpool.patch")
 
 MAX_PATCH_FILE = 1 << 20
 MAX_PATCH_BYTES = 1 << 20
@@ -46,21 +50,32 @@ def git_patch(paths: list[str], before: Callable[[str], Path | None], after: Pat
                 _copy(old, a / rel)
             if os.path.lexists(new):
                 _copy(new, b / rel)
-        env = {"GIT_DIR": str(Path(tmp) / "git"), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
-               "HOME": tmp, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}  # fmt: skip
-        git = ["git", "-c", "core.fileMode=true", "-c", "core.autocrlf=false", "-c", "core.symlinks=true"]
-        subprocess.run([*git, "init", "-q"], env=env, check=True, capture_output=True)
-        trees = []
-        for side, root in (("a", a), ("b", b)):
-            side_env = {**env, "GIT_INDEX_FILE": str(Path(tmp) / f"index-{side}"), "GIT_WORK_TREE": str(root)}
-            subprocess.run([*git, "add", "-A", "--force", "."], env=side_env, cwd=root, check=True, capture_output=True)
-            trees.append(subprocess.run([*git, "write-tree"], env=side_env, check=True, capture_output=True, text=True).stdout.strip())
-        out = subprocess.run([*git, "diff-tree", "-r", "-p", "--binary", "-M", "--full-index", *trees],
-                             env=env, check=True, capture_output=True)  # fmt: skip
-    text = out.stdout.decode("utf-8", "replace")
+        try:
+            out = _diff_trees(Path(tmp), a, b)
+        except (subprocess.CalledProcessError, OSError) as e:
+            # The workspace's content must never fail its diff (a failed diff would be an
+            # infra error, which the learner leaves out): the patch is given up instead.
+            detail = e.stderr.decode(errors="replace")[-300:] if isinstance(e, subprocess.CalledProcessError) and e.stderr else str(e)
+            log.warning("git could not make the workspace's patch (%s): left out", detail.strip())
+            return "", sorted(set(paths))
+    text = out.decode("utf-8", "replace")
     if len(text) > MAX_PATCH_BYTES:
         text = text[:MAX_PATCH_BYTES] + "\n[patch cut at %d bytes]\n" % MAX_PATCH_BYTES
     return text, left_out
+
+
+def _diff_trees(tmp: Path, a: Path, b: Path) -> bytes:
+    env = {"GIT_DIR": str(tmp / "git"), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
+           "HOME": str(tmp), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}  # fmt: skip
+    git = ["git", "-c", "core.fileMode=true", "-c", "core.autocrlf=false", "-c", "core.symlinks=true"]
+    subprocess.run([*git, "init", "-q"], env=env, check=True, capture_output=True)
+    trees = []
+    for side, root in (("a", a), ("b", b)):
+        side_env = {**env, "GIT_INDEX_FILE": str(tmp / f"index-{side}"), "GIT_WORK_TREE": str(root)}
+        subprocess.run([*git, "add", "-A", "--force", "."], env=side_env, cwd=root, check=True, capture_output=True)
+        trees.append(subprocess.run([*git, "write-tree"], env=side_env, check=True, capture_output=True, text=True).stdout.strip())
+    return subprocess.run([*git, "diff-tree", "-r", "-p", "--binary", "-M", "--full-index", *trees],
+                          env=env, check=True, capture_output=True).stdout  # fmt: skip
 
 
 def _too_large(p: Path) -> bool:

@@ -4,7 +4,9 @@ and into a diff against the layers.
 
 Snapshot format: a gzipped tar of the upper directory in the OCI layer convention: a
 deleted path is an empty file ``.wh.<name>`` beside where it was, a directory that
-replaced a lower one holds an empty ``.wh..wh..opq``. Only regular files, directories
+replaced a lower one holds an empty ``.wh..wh..opq``. A file of the agent's own whose
+name starts with ``.wh.`` is not carried (it would read back as a marker); a marker that
+names nothing it could delete is ignored, so no workspace content makes a restore fail. Only regular files, directories
 and links inside the tree travel (``tarfile``'s ``data`` filter on restore), so a crafted
 archive cannot write outside the new sandbox's upper directory; a snapshot resumes on
 any node that has the same environment digest.
@@ -40,6 +42,8 @@ def snapshot(upper: Path) -> tuple[bytes, str]:
                 if is_opaque(here):
                     _empty(tar, rel / OPAQUE_MARKER)
             for name in sorted(files):
+                if name.startswith(WHITEOUT_PREFIX):
+                    continue  # the agent's own file by a marker's name: never read back as a marker
                 st = os.lstat(here / name)
                 if is_whiteout(st):
                     _empty(tar, rel / f"{WHITEOUT_PREFIX}{name}")
@@ -74,7 +78,9 @@ def restore(data: bytes, sha256: str | None, upper: Path, uid: int, gid: int) ->
                 make_opaque(here)
             elif name.startswith(WHITEOUT_PREFIX):
                 os.unlink(here / name)
-                make_whiteout(here / name[len(WHITEOUT_PREFIX) :])
+                target = name[len(WHITEOUT_PREFIX) :]
+                if target not in ("", ".", "..") and not os.path.lexists(here / target):
+                    make_whiteout(here / target)
     copy_upper(staging, upper, uid, gid)
     shutil.rmtree(staging, ignore_errors=True)
 
