@@ -52,6 +52,16 @@ Filler = Callable[[Path, Identity], "tuple[Path, overlay.OverlayView | None]"]
 """Writes a new sandbox's files under its folder; returns its workspace and its overlay view."""
 
 
+@dataclass(frozen=True)
+class TaskLayers:
+    """What an environment task's sandboxes are made of."""
+
+    environment: object
+    """The ``BuiltEnvironment``."""
+    layers: tuple[overlay.LowerLayer, ...]
+    """Its layers and the task's own files above them, lowest first."""
+
+
 @dataclass
 class Lease:
     sandbox: Sandbox
@@ -170,7 +180,7 @@ class SandboxPool:
                 await asyncio.to_thread(wsp.materialize, task, dest, "workspace" if task.environment else "")
         return dest
 
-    async def _layers(self, task_id: str) -> tuple[object, tuple[overlay.LowerLayer, ...]] | None:
+    async def _layers(self, task_id: str) -> TaskLayers | None:
         """The environment and the lower layers of a task's sandboxes (None: a plain task)."""
         try:
             task = self.suite.get(task_id)
@@ -189,7 +199,7 @@ class SandboxPool:
             raise ServiceError(str(e), c.ENVIRONMENT_ERROR) from None
         template = await self._template(task_id)
         layers = [overlay.LowerLayer(layer.path, owned=layer.name == "repository") for layer in built.layers]
-        return built, (*layers, overlay.LowerLayer(template, owned=True))
+        return TaskLayers(built, (*layers, overlay.LowerLayer(template, owned=True)))
 
     async def _build(self, task_id: str, fill: Filler, environment=None) -> Lease:
         """A new sandbox whose files ``fill`` writes; the caller holds a reservation."""
@@ -264,7 +274,7 @@ class SandboxPool:
         env = await self._layers(task_id)
         if env is None:
             return self._plain(self._clone_of(await self._template(task_id))), None
-        return self._overlay(env[1]), env[0]
+        return self._overlay(env.layers), env.environment
 
     @staticmethod
     def _clone_of(template: Path) -> Callable[[Path], None]:
@@ -285,7 +295,7 @@ class SandboxPool:
                 lease = await self._new(task_id, self._plain(lambda ws: wsp.restore(data, None, ws)))
             else:
                 restore = lambda up, ident: upp.restore(data, None, up, ident.uid or 0, ident.gid or 0)  # noqa: E731
-                lease = await self._new(task_id, self._overlay(env[1], restore), env[0])
+                lease = await self._new(task_id, self._overlay(env.layers, restore), env.environment)
         else:
             self._touch(task_id)
             pool = self.warm.get(task_id)
