@@ -295,14 +295,15 @@ async def main(a) -> None:
         idle = {}
         for task in (TEXT_TASK, ENV_TASK):
             await settle()
-            m0, n0, r0, d0 = meminfo(), mounts(), rss_mib(node.pid), du_mib(node_root, one_fs=True)
+            # -x: not through the overlay views; the workspaces' own tmpfs is named on its own
+            m0, n0, r0, d0 = meminfo(), mounts(), rss_mib(node.pid), du_mib(node_root, node_root / "ws", one_fs=True)
             t = time.perf_counter()
             held = []
             for i in range(0, a.idle, 32):
                 held += await asyncio.gather(*(pool.create(task) for _ in range(min(32, a.idle - i))))
             took = time.perf_counter() - t
             await asyncio.sleep(0.5)
-            m1, n1, r1, d1 = meminfo(), mounts(), rss_mib(node.pid), du_mib(node_root, one_fs=True)
+            m1, n1, r1, d1 = meminfo(), mounts(), rss_mib(node.pid), du_mib(node_root, node_root / "ws", one_fs=True)
             idle[task] = (d1, r1, r1 - r0, m1["Slab"] - m0["Slab"], m1["Shmem"] - m0["Shmem"], n1 - n0,
                           (m0["MemAvailable"] - m1["MemAvailable"]))  # fmt: skip
             kind = "environment" if task == ENV_TASK else "text"

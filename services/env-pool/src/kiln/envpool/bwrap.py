@@ -20,18 +20,19 @@ native one. It is compiled with libseccomp once per node into ``<node>/etc/secco
 and bwrap loads it (``--seccomp``) right before it execs the command, after its own
 mounts.
 
-No host path of the node is visible inside, with one exception. The command is pid 1
+No host path of the node is visible inside. The command is pid 1
 of its namespace (``--as-pid-1``: no bwrap process, whose argv names the node's folder,
 is in the sandbox; as pid 1 the command also reaps orphans, and its exit ends the
 namespace). The files bwrap reads (the filter, ``passwd``, ``group``) reach it as file
 descriptors that the launcher's zygote opens for each command (``System.files``, fds 3,
 4, ...; bwrap closes them before the exec), and ``passwd`` and ``group`` are copies
 bwrap makes (``--ro-bind-data``), so mountinfo shows ``/bindfileXXXXXX`` for them, not
-the node's folder. The exception: the ``/workspace`` line of ``/proc/self/mountinfo``.
-A bind mount shows its source's path inside the filesystem it comes from (here
-``/kiln-envpool/<node>-<pid>/ws/<sandbox>``, relative to ``/dev/shm``); only a workspace
-that is a mount of its own would hide it. Mountinfo also shows the host's devices and
-the options of the filesystems bound in (``/usr``'s device, the tmpfs sizes).
+the node's folder. A bind mount shows its source's path inside the filesystem it comes
+from in ``/proc/self/mountinfo``: as root the pool keeps its workspaces on a tmpfs of
+their own (``pool.py``), so the ``/workspace`` line shows ``/<sandbox id>``; not as root
+it shows ``/kiln-envpool/<node>-<pid>/ws/<sandbox>`` (relative to ``/dev/shm``).
+Mountinfo also shows the host's devices and the options of the filesystems bound in
+(``/usr``'s device, the tmpfs sizes).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ _AT_FDCWD, _AT_EMPTY_PATH, _AT_RECURSIVE = -100, 0x1000, 0x8000
 _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_IDMAP = 0x1, 0x00100000
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
 _MNT_DETACH = 2
-_MS_RDONLY = 1
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
 
 
 class OverlayError(RuntimeError):
@@ -270,6 +270,25 @@ def unmount_below(folder: Path) -> int:
     for point in sorted(points, key=len, reverse=True):
         _umount(Path(point))
     return len(points)
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``tmpfs``, ``ext4``, ...), from mountinfo."""
+    target, best, kind = str(path.resolve()), "", ""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        point = left.split(" ")[4].encode().decode("unicode_escape")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, right.split(" ")[0]
+    return kind
+
+
+def mount_tmpfs(path: Path) -> None:
+    """A tmpfs of its own at ``path`` (a node's workspaces: a bind of a sandbox's folder then
+    shows ``/<sandbox>`` in the sandbox's mountinfo, not the node's folder on the host)."""
+    _check(_libc.mount(b"kiln-workspaces", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0711"),
+           f"mount tmpfs at {path}")  # fmt: skip
 
 
 def supported() -> str | None:

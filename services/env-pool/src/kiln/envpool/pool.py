@@ -106,6 +106,10 @@ class SandboxPool:
         for d in (self.root, self.templates, self.spaces):
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o711)  # sandbox uids must traverse to their workspace, not list others
+        if self.as_root and overlay.filesystem_of(self.spaces) == "tmpfs":
+            # Workspaces on a tmpfs of their own: the bind of one into its sandbox then shows
+            # only ``/<sandbox id>`` in mountinfo, never the node's folder and pid.
+            overlay.mount_tmpfs(self.spaces)
         self.leases: dict[str, Lease] = {}
         self.warm: dict[str, list[Lease]] = {}
         self.recent: OrderedDict[str, None] = OrderedDict()
