@@ -198,9 +198,9 @@ def test_validate_rejects_broken_tasks_with_reasons(synthesized, tmp_path):
     envs.append({"name": "cannot-build", "repository": {"kind": "dir", "path": str(tmp_path / "repo")},
                  "setup": ["echo no such luck; exit 3"]})
     (tmp_path / "suite.json").write_text(json.dumps({"tasks": "tasks.jsonl", "environments": envs}))
-    # a TOML suite, written through the synthesizer's writer
-    from kiln.envpool.environments.synth import write_suite_file
+    # a TOML suite, written through the suite writer
     from kiln.shared.environments import EnvironmentSpec
+    from kiln.shared.tasks import write_suite_file
 
     write_suite_file(tmp_path / "suite.toml", "tasks.jsonl", [EnvironmentSpec.model_validate(e) for e in envs])
     cmd = [sys.executable, "-m", "kiln.shared.cli", "tasks", "validate", "--suite", str(tmp_path / "suite.toml"),

@@ -176,24 +176,29 @@ def _toml(v) -> str:
     raise TypeError(f"no TOML for {v!r}")
 
 
-def write_suite(tasks: list[Task], environments: list[EnvironmentSpec], out: str | Path, comment: str = "") -> Path:
-    """A TOML suite: ``OUT/suite.toml`` (``tasks = "tasks.jsonl"`` and the
-    ``[[environments]]``) and ``OUT/tasks.jsonl``; returns the suite file."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def write_suite_file(path: str | Path, tasks_file: str, environments: list[EnvironmentSpec], comment: str = "") -> Path:
+    """A TOML suite file naming ``tasks_file`` (beside it) and declaring ``environments``."""
     lines = [f"# {comment}"] if comment else []
-    lines += ['tasks = "tasks.jsonl"', ""]
+    lines += [f"tasks = {json.dumps(tasks_file)}", ""]
     for env in environments:
         lines.append("[[environments]]")
         for k, v in env.model_dump(mode="json").items():
             if v is not None and v != []:
                 lines.append(f"{k} = {_toml(v)}")
         lines.append("")
+    Path(path).write_text("\n".join(lines))
+    return Path(path)
+
+
+def write_suite(tasks: list[Task], environments: list[EnvironmentSpec], out: str | Path, comment: str = "") -> Path:
+    """A TOML suite: ``OUT/suite.toml`` (``tasks = "tasks.jsonl"`` and the
+    ``[[environments]]``) and ``OUT/tasks.jsonl``; returns the suite file."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tasks.jsonl.partial"
     with open(tmp, "w") as f:
         for t in tasks:
             f.write(t.model_dump_json() + "\n")
     os.replace(tmp, out / "tasks.jsonl")
-    (out / "suite.toml").write_text("\n".join(lines))
-    return out / "suite.toml"
+    return write_suite_file(out / "suite.toml", "tasks.jsonl", environments, comment)
 

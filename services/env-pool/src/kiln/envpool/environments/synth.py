@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import configparser
 import hashlib
-import json
 import logging
 import random
 import re
@@ -48,7 +47,7 @@ from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import (
     DirRepository, EnvironmentSpec, PythonSpec, RepositorySpec, SdistRepository,
 )
-from kiln.shared.tasks import Task
+from kiln.shared.tasks import Task, write_suite
 from kiln.shared.tasks.mutate import Mutation, Site, sites
 from kiln.shared.tasks.report import parse_test_report
 
@@ -461,31 +460,6 @@ def _task(source: Source, spec: EnvironmentSpec, m: Mutation, run: TestRun, pass
                   "generator": "kiln tasks synth", "seed": seed})
 
 
-def _toml(v) -> str:
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items() if x is not None) + "}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return json.dumps(v)
-
-
-def write_suite_file(path: Path, tasks_file: str, specs: list[EnvironmentSpec]) -> Path:
-    """A TOML suite naming ``tasks_file`` (beside it) and declaring ``specs`` inline."""
-    envs = [s.model_dump(mode="json") for s in specs]
-    body = "".join(f"  {_toml(e)},\n" for e in envs)
-    path.write_text(f"tasks = {json.dumps(tasks_file)}\nenvironments = [\n{body}]\n")
-    return path
-
-
-def write_suite(out: Path, specs: list[EnvironmentSpec], tasks: list[Task]) -> Path:
-    """``out/suite.toml`` (its environments inline) and ``out/tasks.jsonl``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tasks.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in tasks))
-    return write_suite_file(out / "suite.toml", "tasks.jsonl", specs)
-
-
 async def synthesize(sources: list[Source], out: Path, cache: EnvironmentCache, *, max_per_package: int = 6, seed: int = 0,
                      held_out_fraction: float = 0.3, jobs: int = 2, interpreter: str = "python3.11",
                      max_candidates: int | None = None, say: Callable[[str], None] = lambda s: None) -> list[PackageReport]:
@@ -503,5 +477,5 @@ async def synthesize(sources: list[Source], out: Path, cache: EnvironmentCache, 
         if got and spec is not None:
             specs.append(spec)
             tasks += got
-    write_suite(out, specs, tasks)
+    write_suite(tasks, specs, out, "written by kiln tasks synth")
     return reports

@@ -29,7 +29,7 @@ from typing import Callable
 
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import WORKSPACE
-from kiln.shared.tasks import Task, TaskSuite
+from kiln.shared.tasks import Task, TaskSuite, write_suite_file
 from kiln.shared.tasks.report import outcome, parse_test_report
 
 from .cache import EnvironmentCache
@@ -219,6 +219,4 @@ def write_valid(suite: TaskSuite, task_ids: list[str], out: str | Path) -> Path:
     names = list(dict.fromkeys(t.environment for t in tasks if t.environment))
     if not names:
         return out
-    from .synth import write_suite_file
-
     return write_suite_file(out.with_suffix(".toml"), out.name, [suite.environments[n] for n in names])
