@@ -13,6 +13,7 @@ import asyncio
 import io
 import logging
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -125,6 +126,14 @@ def layer_store(s: EnvPoolSettings, js):
     return NatsLayerStore(js) if s.environments_store == "nats" else None
 
 
+def raise_open_files_limit() -> None:
+    """A full node holds a user-namespace descriptor per sandbox uid (environment views)
+    beside each command's pipes: the common soft limit of 1,024 is too low, the hard one is not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def use_pidfd_child_watcher() -> None:
     """Python 3.11's default watcher starts a thread per child process, a real cost at
     hundreds of sandbox commands per second; pidfds need none (3.12+ uses them itself)."""
@@ -138,6 +147,7 @@ def use_pidfd_child_watcher() -> None:
 
 async def serve(ctx: ServiceContext) -> None:
     use_pidfd_child_watcher()
+    raise_open_files_limit()
     cfg: EnvPoolConfig = ctx.config  # type: ignore[assignment]
     s = cfg.envpool
     node_id = s.node_id or ctx.instance
