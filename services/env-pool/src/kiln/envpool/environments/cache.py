@@ -54,6 +54,8 @@ class EnvironmentCache:
         self._pending: dict[str, asyncio.Future[BuiltEnvironment]] = {}
         self._failed: dict[str, EnvironmentBuildError] = {}
         self._pins: dict[str, int] = {}
+        self._inputs: dict[str, dict[str, str]] = {}
+        """Spec (as JSON) -> its input hashes, computed once."""
         self._uploads: set[asyncio.Task] = set()
         """Layers being stored for other nodes (``published`` waits for them)."""
         for d in ("layers", "envs", "uv-cache", "locks", "build"):
@@ -65,11 +67,16 @@ class EnvironmentCache:
     async def get(self, spec: EnvironmentSpec) -> BuiltEnvironment:
         """The built environment of ``spec``: from disk, else fetched from the store, else
         built. Concurrent callers of one digest share one build; a failed build is
-        re-raised for that digest without rebuilding (``forget_failure`` to retry)."""
-        try:
-            inputs = await asyncio.to_thread(spec.input_hashes)
-        except EnvironmentInputError as e:
-            raise EnvironmentBuildError(spec.name, e.input, str(e)) from e
+        re-raised for that digest without rebuilding (``forget_failure`` to retry). A spec's
+        inputs are hashed once per cache object, not per call: env-pool calls this on every
+        create, and hashing an image archive or a folder is O(its size)."""
+        key = spec.model_dump_json()
+        inputs = self._inputs.get(key)
+        if inputs is None:
+            try:
+                inputs = self._inputs[key] = await asyncio.to_thread(spec.input_hashes)
+            except EnvironmentInputError as e:
+                raise EnvironmentBuildError(spec.name, e.input, str(e)) from e
         plan = plan_layers(spec, inputs)
         digest = plan.digest
         if digest in self._failed:
