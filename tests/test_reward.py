@@ -27,8 +27,8 @@ from harness import InProcessPlatform, experiment, wait_for
 BASE = load_suite("builtin").get("fix-calc")
 
 
-def write_suite(path, test_command: str | None = None, timeout_s: float = 30.0):
-    t = BASE.model_copy(update={"timeout_s": timeout_s, **({"test_command": test_command} if test_command else {})})
+def write_suite(path, timeout_s: float = 30.0):
+    t = BASE.model_copy(update={"timeout_s": timeout_s})
     path.write_text(json.dumps(t.model_dump()) + "\n")
     return str(path)
 
@@ -123,9 +123,11 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
     assert got["fixed"].reward_terms == {"tests": 1.0, "malformed_tool_calls": 0.0}  # every configured term
     assert got["broken"].reward == 0.0 and not got["broken"].passed and got["broken"].infra_error is None
     assert got["broken"].tests[BASE.fail_to_pass[0]] == c.CaseStatus.FAILED
+    assert got["broken"].failure == c.Failure.TESTS_FAILED and got["broken"].report["statuses"] == "FP"
     assert got["cheat"].reward == 0.0 and got["cheat"].infra_error is None  # tests restored before scoring
+    assert got["cheat"].integrity.protected == {"test_calc.py": "test file test_calc.py"}
     assert got["hang"].reward == 0.0 and got["hang"].infra_error is None
-    assert "timeout" in got["hang"].test_output
+    assert got["hang"].failure == c.Failure.TIMEOUT and "timeout" in got["hang"].failure_detail
     assert got["lost"].infra_error and "no diff" in got["lost"].infra_error
     r = got["rebuilt"]  # scored in a fresh sandbox with the diff applied; shaping kept apart
     assert r.rescored_from_diff and r.passed and r.reward_terms == {"tests": 1.0, "malformed_tool_calls": -0.5}
@@ -145,6 +147,8 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
         recs = {r.trajectory_id: r for r in await rows()}
         assert len(recs) == len(cases) and recs["g1-fixed"].reward == 1.0 and recs["g1-lost"].infra_error
         assert recs["g1-rebuilt"].reward_terms == {"tests": 1.0, "malformed_tool_calls": -0.5}
+        assert recs["g1-cheat"].touched_protected and recs["g1-cheat"].integrity["protected"] == {"test_calc.py": "test file test_calc.py"}
+        assert recs["g1-hang"].failure == "timeout" and recs["g1-broken"].report["statuses"] == "FP"
         assert await scored_messages(bus, 1, timeout=2) == [], "the redelivery reached the learner twice"
         # the whole log of every scored run is kept, the record points at it
         logs = await bus.js.object_store("kiln-reward-logs")
@@ -201,21 +205,27 @@ async def _consumer_idle(bus) -> bool:
 
 
 async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_url, run_dir, tmp_path):
-    # The test run announces itself (.scoring) and waits for the test's go (.go): the kill
-    # lands inside it, whatever the machine's speed.
-    gate = "touch .scoring; while [ ! -e .go ]; do sleep 0.05; done"
-    suite = write_suite(tmp_path / "gated.jsonl", test_command=f"{gate}; {BASE.test_command}")
+    # The code under test announces its test run (.scoring in the clean room) and waits for
+    # the test's go (.go): the kill lands inside it, whatever the machine's speed.
+    gate = "import os, time\nopen('.scoring', 'w').close()\nwhile not os.path.exists('.go'):\n    time.sleep(0.05)\n"
+    gated = BASE.model_copy(update={"files": {**BASE.files, "calc.py": gate + BASE.files["calc.py"]}})
+    (tmp_path / "gated.jsonl").write_text(json.dumps(gated.model_dump()) + "\n")
     exp = experiment(
-        run_dir, nats_server.url, pg_url, tasks={"suite": suite}, nats={"ack_wait_s": {"reward-workers": 2.0}}
-    )
+        run_dir, nats_server.url, pg_url, tasks={"suite": str(tmp_path / "gated.jsonl")},
+        nats={"ack_wait_s": {"reward-workers": 2.0}},
+    )  # fmt: skip
     platform = InProcessPlatform(exp)
     run_id = platform.config("reward").run.id
     await add_run(pg_url, run_id)
     await platform.start("env-pool")
     try:
+        pool = EnvPoolClient(bus)
         created = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id=BASE.id), c.SandboxCreated)
-        workspace = Path(created.workspace)
+        root = Path((await pool.stats(created.sandbox.node_id)).workspace_root)
         await bus.publish(c.TRAJECTORY_FINISHED, trajectory(run_id, created.sandbox), msg_id="g1-s0")
+
+        def rooms_scoring() -> set[Path]:
+            return {p.parent for p in root.rglob(".scoring")}
 
         def reward_process(tag: str) -> subprocess.Popen:
             return subprocess.Popen(
@@ -232,15 +242,20 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
                 return info.num_ack_pending == 1
 
             await wait_for(taken, 60, 0.1, "first reward process took the trajectory")
-            await wait_for((workspace / ".scoring").exists, 60, 0.05, "first reward process running the tests")
+            await wait_for(rooms_scoring, 60, 0.05, "first reward process running the tests in its clean room")
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait()
         assert (await bus.js.stream_info("KILN_SCORED")).state.messages == 0
-        (workspace / ".go").touch()  # the successor's test run goes through
+        first_rooms = rooms_scoring()
+        for room in first_rooms:
+            (room / ".go").touch()
 
         second = reward_process("reward-b")
         try:
+            await wait_for(lambda: rooms_scoring() - first_rooms, 60, 0.05, "the successor running the tests")
+            for room in rooms_scoring() - first_rooms:
+                (room / ".go").touch()  # the successor's test run goes through
             (scored,) = await scored_messages(bus, 1, timeout=60)
         finally:
             second.send_signal(signal.SIGTERM)
@@ -248,6 +263,7 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
             await asyncio.to_thread(second.wait, 20)
         assert scored.trajectory.trajectory_id == "g1-s0"
         assert scored.infra_error is None and scored.reward == 0.0  # scored for real: the bug is unfixed
+        assert scored.failure == c.Failure.TESTS_FAILED
         info = await bus.consumer_info(c.REWARD_WORKERS)
         assert info.delivered.consumer_seq == 2, "the trajectory should have been delivered exactly twice"
         assert info.num_ack_pending == 0

@@ -1,7 +1,8 @@
 """reward entrypoint: ``python -m kiln.reward.main``.
 
 Pulls finished trajectories from the shared ``reward-workers`` consumer (any number of
-replicas), scores each by running its task's tests in its sandbox, records the score
+replicas), scores each by running its task's tests in a clean room (a fresh sandbox with
+the trajectory's diff, ``cleanroom.py``), records the score
 and publishes a ``ScoredTrajectory`` for the learner.
 """
 
@@ -19,6 +20,7 @@ from kiln.reward.service import Scorer
 async def serve(ctx: ServiceContext) -> None:
     cfg: RewardConfig = ctx.config  # type: ignore[assignment]
     db = Database(cfg.database.url, cfg.database.echo)
+    scorer = None
     try:
         scorer = Scorer(ctx, db, load_suite(cfg.tasks.suite))
         await scorer.start()
@@ -26,6 +28,8 @@ async def serve(ctx: ServiceContext) -> None:
             c.REWARD_WORKERS, c.Trajectory, scorer.on_trajectory, stop=ctx.stop, concurrency=cfg.reward.concurrency, ready=ctx.ready
         )
     finally:
+        if scorer is not None:
+            await scorer.room.close()
         await db.close()
 
 

@@ -1,26 +1,28 @@
 """Scoring a finished trajectory.
 
 Invariants:
-- the tests run against the trajectory's final workspace: its own sandbox, or, when that
-  is gone, a fresh sandbox of the task with the trajectory's diff applied; the task's
-  test files are written over it first (an agent cannot change its score by editing
-  the tests);
-- a failure of the infrastructure (no sandbox and no diff, env-pool down, the harness
-  request timing out) yields ``infra_error`` with the cause, never a reward of 0; the
-  agent's code hanging is not such a failure: the test command is killed at the task's
-  timeout and its tests count as failed;
+- the tests run in a clean room (``cleanroom.py``): a fresh sandbox of the task with the
+  trajectory's diff applied, protected paths reverted, the task's test files written
+  last, and kiln's runner reporting the statuses; never in the agent's own sandbox, and
+  never from text the tested code prints;
+- ``infra_error`` is kept for kiln's machinery (no diff to rebuild from, env-pool down,
+  the runner failing on the pristine repository); whatever the workspace's content does
+  to its run is a ``Failure`` scored like failing tests;
+- every task of the suite names a test command kiln's runner can run, or the service
+  refuses to start (naming the tasks);
 - scoring is idempotent: a redelivered trajectory whose record already exists is not
   re-run but republished from the record, and the ``Nats-Msg-Id`` dedupe keeps the
   learner from seeing it twice;
-- every score is explainable: the record holds each reward term, every test's status
-  and the head and tail of the output; the whole log is in the ``kiln-reward-logs``
-  object store under ``log_key``.
+- every score is explainable: the record holds each reward term, every test's status,
+  the failure and its detail, the integrity findings (protected paths touched,
+  framework tampering, changes not reproduced), the runner's report and the head and
+  tail of what the tests printed; the whole log is in the ``kiln-reward-logs`` object
+  store under ``log_key``.
 """
 
 from __future__ import annotations
 
 import logging
-import shlex
 import time
 
 import nats.js.errors
@@ -31,10 +33,11 @@ from kiln.shared.bus import Delivery, RemoteError
 from kiln.shared.db import Database, TrajectoryRecord
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.service import ServiceContext
-from kiln.shared.tasks import Task, TaskSuite
-from kiln.shared.tasks.report import outcome, parse_test_report
+from kiln.shared.tasks import TaskSuite
+from kiln.shared.tasks.testrun import UnsupportedTestCommand, runner_spec
 from kiln.shared.telemetry import trace_id_hex
 
+from kiln.reward.cleanroom import CleanRoom, InfraError
 from kiln.reward.config import RewardConfig
 from kiln.reward.functions import TestResults, resolve, shaping
 
@@ -50,6 +53,15 @@ class Scorer:
         self.db = db
         self.suite = suite
         self.envpool = EnvPoolClient(ctx.bus)
+        self.room = CleanRoom(self.envpool, self.cfg.reward.harness_grace_s)
+        unsupported = []
+        for task in suite.tasks:
+            try:
+                runner_spec(task.test_command)
+            except UnsupportedTestCommand as e:
+                unsupported.append(f"{task.id}: {e}")
+        if unsupported:
+            raise UnsupportedTestCommand(f"{len(unsupported)} tasks of {suite.source} cannot be scored: " + "; ".join(unsupported[:5]))
         self.reward_fn = resolve(self.cfg.reward.function)
         self.logs = None
         self.scored = 0
@@ -78,6 +90,10 @@ class Scorer:
                     tests=rec.tests,
                     reward_terms=rec.reward_terms,
                     infra_error=rec.infra_error,
+                    failure=rec.failure,
+                    failure_detail=rec.failure_detail,
+                    integrity=c.Integrity.model_validate(rec.integrity or {}),
+                    report=rec.report,
                     test_output=rec.test_output,
                 )
             else:
@@ -87,7 +103,8 @@ class Scorer:
                 await self._record(scored, log_key)
                 m = self.ctx.metrics
                 m.seconds.record(time.monotonic() - t0)
-                m.scored.add(1, {"outcome": "infra_error" if scored.infra_error else "pass" if scored.passed else "fail"})
+                outcome = "infra_error" if scored.infra_error else "pass" if scored.passed else scored.failure.value
+                m.scored.add(1, {"outcome": outcome, "touched_protected": bool(scored.integrity.protected)})
                 if not scored.infra_error:
                     m.value.record(scored.reward)
             span.set_attribute("reward", scored.reward)
@@ -113,66 +130,30 @@ class Scorer:
         if traj.status == c.TrajectoryStatus.INFRA_ERROR:
             return infra(traj.infra_error or "rollout reported an infrastructure error")
         task = self.suite.get(traj.task_id)
-        rescored = False
         try:
-            result = await self._run_tests(traj.sandbox, task) if traj.sandbox else None
-        except RemoteError as e:
-            if e.code != "not_found":
-                return infra(f"test harness failed: {e}")
-            result = None
-        if result is None:  # the sandbox is gone (or never was): rebuild it from the diff
-            if traj.final_diff is None:
-                return infra("the trajectory's sandbox is gone and it carries no diff to rebuild it")
-            try:
-                result = await self._rescore_from_diff(traj, task)
-            except RemoteError as e:
-                return infra(f"rescoring in a fresh sandbox failed: {e}")
-            rescored = True
-        output = result.stdout + ("\n" if result.stdout else "") + result.stderr
-        tests = outcome(parse_test_report(output), task.fail_to_pass + task.pass_to_pass)
-        results = TestResults(tests, task.fail_to_pass, task.pass_to_pass, output, result.timed_out)
-        terms = {"tests": float(self.reward_fn(traj, results))}
+            verdict = await self.room.judge(traj, task)
+        except InfraError as e:
+            return infra(str(e))
+        results = TestResults(verdict.tests, task.fail_to_pass, task.pass_to_pass, verdict.output, verdict.timed_out)
+        terms = {"tests": 0.0 if verdict.zeroes_tests else float(self.reward_fn(traj, results))}
         terms.update(shaping(traj, self.cfg.reward.shaping))
+        output = verdict.output
         limit = self.cfg.reward.max_test_output_chars
         shown = output if len(output) <= limit else output[: limit // 2] + "\n[... cut ...]\n" + output[-limit // 2 :]
         scored = c.ScoredTrajectory(
             trajectory=traj,
             reward=sum(terms.values()),
-            passed=results.all_passed,
-            tests=tests,
+            passed=verdict.failure is None,
+            tests=verdict.tests,
             reward_terms=terms,
-            rescored_from_diff=rescored,
+            rescored_from_diff=True,
+            failure=verdict.failure,
+            failure_detail=verdict.detail,
+            integrity=verdict.integrity,
+            report=verdict.report.model_dump() if verdict.report is not None else None,
             test_output=shown,
         )
         return scored, output
-
-    async def _run_tests(self, ref: c.SandboxRef, task: Task) -> c.ExecResult:
-        if task.test_files:
-            calls = [
-                c.ToolCall(id=f"restore-{i}", name="write_file", arguments={"path": p, "content": t})
-                for i, (p, t) in enumerate(sorted(task.test_files.items()))
-            ]
-            for r in await self.envpool.tools(ref, calls):
-                if r.error:
-                    raise RemoteError("harness", f"could not restore test file: {r.error}")
-        return await self.envpool.exec(ref, task.test_command, task.timeout_s)
-
-    async def _rescore_from_diff(self, traj: c.Trajectory, task: Task) -> c.ExecResult:
-        diff = traj.final_diff
-        ref = await self.envpool.create(task.id, run_id=traj.run_id, ttl_s=task.timeout_s + 120)
-        try:
-            calls = [
-                c.ToolCall(id=f"apply-{i}", name="write_file", arguments={"path": p, "content": t})
-                for i, (p, t) in enumerate(sorted(diff.changed.items()))
-            ]
-            for r in await self.envpool.tools(ref, calls) if calls else []:
-                if r.error:
-                    raise RemoteError("harness", f"could not apply the diff: {r.error}")
-            if diff.deleted:
-                await self.envpool.exec(ref, "rm -f -- " + " ".join(shlex.quote(p) for p in diff.deleted), 30)
-            return await self._run_tests(ref, task)
-        finally:
-            await self._destroy(ref)
 
     async def _store_log(self, trajectory_id: str, output: str) -> str:
         if not output or self.logs is None:
@@ -205,6 +186,12 @@ class Scorer:
                     tests={k: v.value for k, v in s.tests.items()},
                     reward_terms=s.reward_terms,
                     test_output=s.test_output,
+                    failure=s.failure.value if s.failure else None,
+                    failure_detail=s.failure_detail,
+                    touched_protected=bool(s.integrity.protected),
+                    tampered=bool(s.integrity.tampered),
+                    integrity=s.integrity.model_dump(),
+                    report=s.report,
                     log_key=log_key,
                     messages=[m.model_dump(mode="json", by_alias=True) for m in t.messages],
                     trace_id=trace_id_hex(),

@@ -205,6 +205,39 @@ class CaseStatus(str, Enum):
     MISSING = "missing"
 
 
+class Failure(str, Enum):
+    """Why a scored (not infra-errored) trajectory did not pass; each scores like a failing
+    test run. Anything the workspace's content causes is one of these, never ``infra_error``."""
+
+    TESTS_FAILED = "tests_failed"
+    """The runner's report is complete and some FAIL_TO_PASS or PASS_TO_PASS test did not pass."""
+    TAMPERED = "tampered"
+    """The tested code replaced an entry point of the test framework or of kiln's collector."""
+    TIMEOUT = "timeout"
+    """The test run passed the task's timeout and was killed."""
+    INCOMPLETE = "incomplete"
+    """The test process ended (exited, crashed, was killed) before its run finished."""
+    NO_REPORT = "no_report"
+    """The runner left no valid report, while it does on the task's pristine repository."""
+    NOT_APPLIED = "not_applied"
+    """The trajectory's changes could not be written into the clean room (quota, a file
+    where a folder must be, ...)."""
+    PROTECTED = "protected"
+    """The trajectory changed protected files and the task makes that cost the reward."""
+
+
+class Integrity(Message):
+    """What the clean room found about a trajectory beyond its tests' statuses."""
+
+    protected: dict[str, str] = Field(default_factory=dict)
+    """Paths of the diff that touched protected files (reverted before the run) -> why."""
+    tampered: list[str] = Field(default_factory=list)
+    """Framework entry points the tested code replaced (``unittest.TestCase.run``, ...)."""
+    not_reproduced: list[str] = Field(default_factory=list)
+    """Changes the diff does not carry as text (links, binaries, modes, too large): absent
+    from the clean room."""
+
+
 class ScoredTrajectory(Message):
     trajectory: Trajectory
     reward: float
@@ -216,8 +249,17 @@ class ScoredTrajectory(Message):
     rescored_from_diff: bool = False
     """The trajectory's sandbox was gone: the tests ran in a fresh one with its diff applied."""
     infra_error: str | None = None
-    """Set when scoring could not run: the learner masks the trajectory out, never scores it 0."""
+    """Set when kiln's own machinery could not score (a lost sandbox, a dead node, the
+    runner failing on the task's pristine repository): the learner masks the trajectory
+    out, never scores it 0."""
+    failure: Failure | None = None
+    """Why it did not pass (None: it passed, or ``infra_error``)."""
+    failure_detail: str = ""
+    integrity: Integrity = Field(default_factory=Integrity)
+    report: dict[str, Any] | None = None
+    """The runner's structured report (``kiln.shared.tasks.testrun.RunnerReport``)."""
     test_output: str = ""
+    """What the tests printed, for people (never read for the score)."""
     scored_at: float = Field(default_factory=time.time)
 
 

@@ -1,7 +1,9 @@
 """The run dashboard: a FastAPI app over the platform's database, nothing else.
 
 Pages: ``/`` (runs), ``/runs/{run}`` (curves per version, evaluations, throughput,
-learner idle, staleness histogram, group outcomes, recent trajectories) and
+learner idle, staleness histogram, reward integrity per version (trajectories that
+touched protected files or tampered with the test framework) and failure reasons,
+group outcomes, recent trajectories) and
 ``/runs/{run}/trajectories/{id}`` (one episode turn by turn: model text, tool calls
 and their results, test output, reward and its terms, token versions, and its trace: the span tree read from the run's
 trace files when the app is given them).
@@ -22,7 +24,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 
 from kiln.shared.dashboard.plots import Series, histogram, line_chart
 from kiln.shared.dashboard.traces import span_tree
@@ -74,13 +76,27 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
                 )
             )
         ).all()
+        T = TrajectoryRecord
+        integrity = (
+            await s.execute(
+                select(T.max_version, func.count(), func.sum(case((T.touched_protected, 1), else_=0)),
+                       func.sum(case((T.tampered, 1), else_=0)), func.sum(case((T.failure.is_not(None), 1), else_=0)))
+                .where(T.run_id == run_id, T.infra_error.is_(None)).group_by(T.max_version).order_by(T.max_version)
+            )
+        ).all()  # fmt: skip
+        failures = (
+            await s.execute(
+                select(T.failure, func.count()).where(T.run_id == run_id, T.failure.is_not(None)).group_by(T.failure)
+            )
+        ).all()
         recent = (
             await s.scalars(
                 select(TrajectoryRecord).where(TrajectoryRecord.run_id == run_id).order_by(TrajectoryRecord.scored_at.desc()).limit(limit)
             )
         ).all()
     cols = ("trajectory_id", "group_id", "task_id", "sample_index", "reward", "passed", "infra_error", "num_turns",
-            "num_generated", "min_version", "max_version", "trained_version", "finish_reason", "trace_id", "purpose")  # fmt: skip
+            "num_generated", "min_version", "max_version", "trained_version", "finish_reason", "trace_id", "purpose", "failure",
+            "touched_protected", "tampered")  # fmt: skip
     return {
         "run": _row(run, "id", "name", "status", "detail", "created_at", "finished_at", "config"),
         "steps": [{**s.metrics, "recorded_at": s.recorded_at} for s in steps],
@@ -92,6 +108,13 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
         # Versions between the policy that sampled a trajectory's oldest token and the
         # one its step started from: what the learner reports as staleness.
         "staleness": dict(Counter(trained - 1 - oldest for trained, oldest in ages)),
+        # Reward hacking shows up here first: per policy version (of a trajectory's newest
+        # token), how many scored trajectories changed protected paths or tampered.
+        "integrity": [
+            {"version": v, "scored": n, "touched_protected": int(p or 0), "tampered": int(t or 0), "failed": int(f or 0)}
+            for v, n, p, t, f in integrity
+        ],
+        "failures": {reason: n for reason, n in failures},
         "trajectories": [_row(t, *cols) for t in recent],
     }
 
@@ -105,6 +128,7 @@ async def trajectory_detail(db: Database, run_id: str, trajectory_id: str) -> di
         t, "trajectory_id", "run_id", "group_id", "task_id", "sample_index", "dispatch_version", "min_version",
         "max_version", "trained_version", "reward", "passed", "infra_error", "num_tokens", "num_generated", "num_turns",
         "malformed_tool_calls", "finish_reason", "tests", "reward_terms", "test_output", "log_key", "messages",
+        "failure", "failure_detail", "touched_protected", "tampered", "integrity", "report",
         "trace_id", "worker_id", "scored_at", "purpose", "eval_id",
     )  # fmt: skip
 
@@ -134,6 +158,10 @@ def run_plots(d: dict) -> dict[str, str]:
                              [Series("clip fraction", v("clip_frac")), Series("KL", v("kl"))], xlabel="version"),
         "throughput": line_chart("throughput", "Trajectories trained per second", [Series("traj/s", rates)], xlabel="version"),
         "idle": line_chart("idle", "Learner idle fraction (waiting for a batch)", [Series("idle", idle)], xlabel="version", ylim=(0.0, 1.0)),
+        "integrity": line_chart("integrity", "Reward integrity per version: trajectories that touched protected files or tampered",
+                                [Series("touched protected", [(r["version"], r["touched_protected"]) for r in d["integrity"] if r["version"] is not None]),
+                                 Series("tampered", [(r["version"], r["tampered"]) for r in d["integrity"] if r["version"] is not None])],
+                                xlabel="version"),
         "staleness": histogram("staleness", "Staleness of trained trajectories (versions)", d["staleness"], xlabel="versions behind"),
         "tokens": line_chart("tokens", "Generated tokens per step (off-policy share)",
                              [Series("generated", v("generated_tokens")), Series("off-policy", v("off_policy_tokens"))], xlabel="version"),

@@ -114,6 +114,17 @@ class TrajectoryRecord(Base):
     """The test run's output, cut to ``reward.max_test_output_chars``; the whole log is in
     the ``kiln-reward-logs`` object store under ``log_key``."""
     log_key: Mapped[str] = mapped_column(String(200), default="")
+    failure: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    """Why it did not pass (``contracts.Failure``; None: passed or infra error)."""
+    failure_detail: Mapped[str] = mapped_column(Text, default="")
+    touched_protected: Mapped[bool] = mapped_column(Boolean, default=False)
+    """Its diff changed protected paths (reverted before the tests ran)."""
+    tampered: Mapped[bool] = mapped_column(Boolean, default=False)
+    """The tested code replaced test-framework entry points."""
+    integrity: Mapped[dict] = mapped_column(JSON, default=dict)
+    """``contracts.Integrity``: protected paths touched and why, tampering, changes not reproduced."""
+    report: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    """kiln's runner's structured report (``kiln.shared.tasks.testrun.RunnerReport``)."""
     messages: Mapped[list] = mapped_column(JSON, default=list)
     trace_id: Mapped[str] = mapped_column(String(32), default="")
     worker_id: Mapped[str] = mapped_column(String(128), default="")

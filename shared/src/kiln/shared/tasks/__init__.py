@@ -8,6 +8,8 @@ A task is a small repository with a problem, SWE-bench style:
 - ``test_command``: runs the tests verbosely (unittest ``-v`` format, or pytest ``-rA``);
 - ``fail_to_pass``: test ids that fail on ``files`` and must pass after the fix;
 - ``pass_to_pass``: test ids that pass on ``files`` and must still pass;
+- ``protected``/``protected_touch``: more protected paths, and whether touching one
+  costs the reward (docs/reward.md);
 - ``solution``: optional reference contents of the files a correct fix changes
   (used to validate the task and to build demonstrations).
 
@@ -32,6 +34,7 @@ import os
 import tomllib
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -55,6 +58,12 @@ class Task(BaseModel):
     timeout_s: float = 60.0
     metadata: dict = Field(default_factory=dict)
     environment: str | None = None
+    protected: list[str] = Field(default_factory=list)
+    """Glob patterns of more paths the agent's changes never reach the tests through,
+    beside the test files, their folders and the test configuration (``protect.py``)."""
+    protected_touch: Literal["revert", "fail"] = "revert"
+    """What touching a protected path costs: ``revert`` puts it back and records it;
+    ``fail`` also scores the trajectory 0 (failure ``protected``)."""
 
     @field_validator("files", "test_files", "solution")
     @classmethod

@@ -1,6 +1,7 @@
 """``kiln tasks validate``: check each task of a suite in its environment (project issue 22).
 
-For every task, two runs of its ``test_command`` in a throwaway writable copy of the
+For every task, two runs of its tests through kiln's runner (exactly as reward runs
+them: ``kiln.shared.tasks.testrun``) in a throwaway writable copy of the
 workspace (the environment's repository layer, the task's ``files`` over it, its
 ``test_files`` written last), bound at ``/workspace`` over the environment's read-only
 layers with ``environment_bwrap_args``: no network, ``task.timeout_s``.
@@ -30,7 +31,7 @@ from typing import Callable
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import WORKSPACE
 from kiln.shared.tasks import Task, TaskSuite, write_suite_file
-from kiln.shared.tasks.report import outcome, parse_test_report
+from kiln.shared.tasks.testrun import ReportProblem, UnsupportedTestCommand, case_statuses, read_report, runner_command
 
 from .cache import EnvironmentCache
 from .layers import BuiltEnvironment, EnvironmentBuildError
@@ -50,6 +51,8 @@ class PhaseRun:
     output: str
     tests: dict[str, CaseStatus]
     seconds: float
+    problem: str | None = None
+    """The runner gave no usable report, or found the framework tampered with."""
 
 
 @dataclass
@@ -106,34 +109,54 @@ async def run_tests(built: BuiltEnvironment, workspace: Path, command: str, time
                     env: dict[str, str] | None = None) -> tuple[int | None, bool, str, float]:
     """Run ``command`` (bash) in ``built`` over ``workspace``: (returncode, timed out,
     stdout+stderr, seconds). No network."""
+    rc, timed_out, out, _, seconds = await run_command(built, workspace, command, timeout_s, env, merge=True)
+    return rc, timed_out, out, seconds
+
+
+async def run_command(built: BuiltEnvironment, workspace: Path, command: str, timeout_s: float,
+                      env: dict[str, str] | None = None, merge: bool = False) -> tuple[int | None, bool, str, str, float]:
+    """(returncode, timed out, stdout, stderr, seconds) of ``command`` (bash) in ``built``
+    over ``workspace``; ``merge`` sends stderr to stdout."""
     argv = environment_bwrap_args(built, ["bash", "-c", command], workspace=workspace, env=env)
     t0 = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                start_new_session=True)
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT if merge else asyncio.subprocess.PIPE,
+                                                start_new_session=True)  # fmt: skip
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-        return proc.returncode, False, out.decode(errors="replace"), time.monotonic() - t0
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        return proc.returncode, False, out.decode(errors="replace"), (err or b"").decode(errors="replace"), time.monotonic() - t0
     except asyncio.TimeoutError:
         try:
             os.killpg(proc.pid, 9)
         except ProcessLookupError:
             pass
-        out = b""
+        out = err = b""
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), 10)
+            out, err = await asyncio.wait_for(proc.communicate(), 10)
         except asyncio.TimeoutError:
             pass
-        return None, True, out.decode(errors="replace"), time.monotonic() - t0
+        return None, True, out.decode(errors="replace"), (err or b"").decode(errors="replace"), time.monotonic() - t0
 
 
 async def run_phase(built: BuiltEnvironment, task: Task, phase: str, scratch: Path) -> PhaseRun:
+    """One phase through kiln's runner, as reward runs it (``testrun.runner_command``): the
+    statuses come from its report, the output is what the tests printed."""
     ws = await asyncio.to_thread(prepare_workspace, built, task, scratch / phase, phase == "solution")
+    ids = task.fail_to_pass + task.pass_to_pass
     try:
-        rc, timed_out, output, seconds = await run_tests(built, ws, task.test_command, task.timeout_s)
+        command = runner_command(task.test_command, ids, task.timeout_s)
+    except UnsupportedTestCommand as e:
+        return PhaseRun(phase, None, False, str(e), {t: CaseStatus.MISSING for t in ids}, 0.0, problem=str(e))
+    try:
+        rc, _, stdout, stderr, seconds = await run_command(built, ws, command, task.timeout_s + 15)
     finally:
         await asyncio.to_thread(shutil.rmtree, ws, True)
-    tests = outcome(parse_test_report(output), task.fail_to_pass + task.pass_to_pass)
-    return PhaseRun(phase, rc, timed_out, output, tests, seconds)
+    try:
+        report = read_report(stdout, ids)
+    except ReportProblem as e:
+        return PhaseRun(phase, rc, False, stderr, {t: CaseStatus.MISSING for t in ids}, seconds, problem=str(e))
+    problem = "the tests tampered with " + ", ".join(report.tampered) if report.tampered else None
+    return PhaseRun(phase, rc, report.timed_out, stderr, case_statuses(report, ids), seconds, problem=problem)
 
 
 def _tail(text: str, n: int = TAIL_CHARS) -> str:
@@ -146,6 +169,8 @@ def judge(task: Task, run: PhaseRun) -> list[str]:
     reasons = []
     if run.timed_out:
         return [f"{run.phase}: the tests timed out after {task.timeout_s:g}s"]
+    if run.problem:
+        return [f"{run.phase}: {run.problem}"]
     for t in task.fail_to_pass:
         s = run.tests[t]
         if run.phase == "unchanged" and s == CaseStatus.PASSED:
