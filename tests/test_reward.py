@@ -62,7 +62,7 @@ async def scored_messages(bus, n: int, timeout: float = 30.0) -> list[c.ScoredTr
         except nats.errors.TimeoutError:
             continue
         for m in msgs:
-            out.append(c.ScoredTrajectory.model_validate_json(m.data))
+            out.append(c.ScoredTrajectory.model_validate_json(await bus._body(m)))  # claim-checked when large
             await m.ack()
     await sub.unsubscribe()
     return out

@@ -13,7 +13,8 @@ Invariants:
 - the W3C trace context of the publisher travels in the headers and becomes the
   parent of the consumer's span;
 - bodies above ``claim_check_bytes`` are stored in the ``kiln-claims`` object store
-  and the message carries only the key (claim-check).
+  and the message carries only the key (claim-check); requests and replies too (a
+  request's claim is deleted once answered, a reply's once read).
 """
 
 from __future__ import annotations
@@ -448,18 +449,40 @@ class Bus:
         self, subject: str, msg: c.Message, reply_model: type[R], *, timeout: float | None = None
     ) -> R:
         hdrs = inject_headers({c.HDR_TYPE: type(msg).__name__})
+        data = await self._claim_if_large(f"request/{subject}", msg.to_bytes(), hdrs)
         try:
-            resp = await self.nc.request(
-                subject, msg.to_bytes(), timeout=timeout or self.settings.request_timeout_s, headers=hdrs
-            )
+            resp = await self.nc.request(subject, data, timeout=timeout or self.settings.request_timeout_s, headers=hdrs)
         except nats.errors.NoRespondersError as e:
             raise RemoteError("no_responders", f"nothing is serving {subject}") from e
         except nats.errors.TimeoutError as e:
             raise RemoteError("timeout", f"{subject} did not answer within {timeout or self.settings.request_timeout_s}s") from e
+        finally:
+            if c.HDR_CLAIM in hdrs:
+                await self._unclaim(hdrs[c.HDR_CLAIM])
         err = (resp.headers or {}).get(c.HDR_ERROR)
         if err:
             raise RemoteError(err, resp.data.decode(errors="replace"))
-        return reply_model.model_validate_json(resp.data)
+        body = await self._body(resp)
+        if (resp.headers or {}).get(c.HDR_CLAIM):
+            await self._unclaim(resp.headers[c.HDR_CLAIM])  # a reply has one reader: its claim goes now
+        return reply_model.model_validate_json(body)
+
+    async def _claim_if_large(self, prefix: str, data: bytes, hdrs: dict[str, str]) -> bytes:
+        """A request or reply body above ``claim_check_bytes`` goes to the claims store
+        (NATS caps a message at its max payload, 1 MiB by default): the body sent is
+        empty and ``hdrs`` names the claim."""
+        if len(data) <= self.settings.claim_check_bytes:
+            return data
+        key = f"{prefix}/{uuid.uuid4().hex}"
+        await (await self._claims()).put(key, data)
+        hdrs[c.HDR_CLAIM] = key
+        return b""
+
+    async def _unclaim(self, key: str) -> None:
+        try:
+            await (await self._claims()).delete(key)
+        except Exception as e:  # the bucket's TTL collects it
+            log.debug("could not delete claim %s: %s", key, e)
 
     async def serve(
         self,
@@ -477,7 +500,12 @@ class Bus:
         async def answer(m: Msg) -> None:
             async with slots:
                 try:
-                    req = request_model.model_validate_json(m.data)
+                    body = await self._body(m)
+                except Exception as e:  # claim expired or object store gone
+                    await self._reply_error(m, "invalid_request", f"claim-check body unavailable: {e}")
+                    return
+                try:
+                    req = request_model.model_validate_json(body)
                 except ValidationError as e:
                     reason = f"invalid {request_model.__name__}: {_short(e)}"
                     await self.dead_letter(m.subject, m.data, m.headers, reason)
@@ -496,7 +524,9 @@ class Bus:
                         await self._reply_error(m, "internal", f"{type(e).__name__}: {e}")
                         return
                 if m.reply:
-                    await self.nc.publish(m.reply, reply.to_bytes())
+                    hdrs: dict[str, str] = {}
+                    data = await self._claim_if_large("reply", reply.to_bytes(), hdrs)
+                    await self.nc.publish(m.reply, data, headers=hdrs or None)
 
         async def cb(m: Msg) -> None:
             t = asyncio.create_task(answer(m))

@@ -113,7 +113,8 @@ def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str],
                 if before is None or not before.is_symlink() or os.readlink(before) != os.readlink(full):
                     other.append(rel)
                 continue
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a socket, a device node: listed, never read
+                other.append(rel)
                 continue
             data = full.read_bytes()
             if before is not None and before.is_file() and not before.is_symlink() and before.read_bytes() == data:

@@ -71,9 +71,10 @@ class Verdict:
 
 
 class CleanRoom:
-    def __init__(self, envpool: EnvPoolClient, grace_s: float):
+    def __init__(self, envpool: EnvPoolClient, grace_s: float, max_change_bytes: int):
         self.envpool = envpool
         self.grace_s = grace_s
+        self.max_change_bytes = max_change_bytes
         self.pristine_ok: set[str] = set()
         """Tasks whose runner gave a report on the pristine repository (checked on demand)."""
         self._teardowns: set[asyncio.Task] = set()
@@ -125,7 +126,7 @@ class CleanRoom:
             await self._check_pristine(task, run_id)
             why = f"{e} (runner exit {result.exit_code}{', killed at the timeout' if result.timed_out else ''}): {output[-300:]}"
             return self._not_run(task, c.Failure.NO_REPORT, why, integrity, output, result.timed_out)
-        integrity.tampered = report.tampered
+        integrity.tampered, integrity.shadowed = report.tampered, report.shadowed
         tests = case_statuses(report, ids)
         verdict = Verdict(tests, None, "", integrity, report, output, report.timed_out)
         if report.tampered:
@@ -163,6 +164,9 @@ class CleanRoom:
     async def _apply(self, ref: c.SandboxRef, task: Task, room: CleanRoomPlan) -> str:
         """Write the trajectory's changes, then the task's test files; '' when all went in,
         else what the workspace's content refused."""
+        size = sum(len(t.encode()) for t in room.changed.values())
+        if size > self.max_change_bytes:
+            return f"the changes hold {size} bytes of text, more than the {self.max_change_bytes} a clean room takes"
         if room.deleted:
             res = await self.envpool.exec(ref, "rm -rf -- " + " ".join(shlex.quote(p) for p in room.deleted), 60)
             if res.exit_code != 0:

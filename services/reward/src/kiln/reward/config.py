@@ -22,6 +22,9 @@ class RewardSettings(Section):
     harness_grace_s: float = 15.0
     """Time beyond the task's own test timeout before the scoring request itself counts
     as an infrastructure failure."""
+    max_change_bytes: int = 32 * 1024 * 1024
+    """Text a trajectory's diff may write into its clean room; more scores 0 (failure
+    ``not_applied``) without writing any of it."""
     concurrency: int = 4
     """Trajectories one replica scores at once."""
     max_test_output_chars: int = 20000

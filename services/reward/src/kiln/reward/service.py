@@ -53,7 +53,7 @@ class Scorer:
         self.db = db
         self.suite = suite
         self.envpool = EnvPoolClient(ctx.bus)
-        self.room = CleanRoom(self.envpool, self.cfg.reward.harness_grace_s)
+        self.room = CleanRoom(self.envpool, self.cfg.reward.harness_grace_s, self.cfg.reward.max_change_bytes)
         unsupported = []
         for task in suite.tasks:
             try:

@@ -233,6 +233,8 @@ class Integrity(Message):
     """Paths of the diff that touched protected files (reverted before the run) -> why."""
     tampered: list[str] = Field(default_factory=list)
     """Framework entry points the tested code replaced (``unittest.TestCase.run``, ...)."""
+    shadowed: list[str] = Field(default_factory=list)
+    """Standard-library modules the workspace's own modules stood in for (a finding)."""
     not_reproduced: list[str] = Field(default_factory=list)
     """Changes the diff does not carry as text (links, binaries, modes, too large): absent
     from the clean room."""

@@ -29,7 +29,8 @@ Invariants:
   points (``unittest``'s ``TestCase``/``TestResult``/``TestSuite``/loader, pytest's
   runner, reports, python and main modules, the collector itself) before any test
   module is imported, and compares them after every test and at the end; any change
-  is listed in ``tampered``;
+  is listed in ``tampered``, and so is a framework module loaded from the workspace;
+  standard-library names the workspace's modules took are listed in ``shadowed``;
 - as pid 1 of its sandbox the parent cannot be signalled by the tested code, and its
   exit ends every process the tests left behind.
 """
@@ -80,15 +81,34 @@ def _callables(obj):
     return out
 
 
-class Guard:
-    """Identities of the framework's entry points, taken before any tested code runs."""
+FRAMEWORK_MODULES = {"unittest", "pytest", "_pytest", "pluggy"}
 
-    def __init__(self, targets):
+
+class Guard:
+    """Identities of the framework's entry points, taken before any tested code runs, and
+    the workspace's stand-ins for standard or framework modules."""
+
+    def __init__(self, targets, workspace):
         self.targets = targets
         self.before = {name: _callables(obj) for name, obj in targets}
         self.found = []
+        self.shadowed = []
+        """Standard-library names the workspace's own modules took (a finding, not
+        tampering: a repository may have a top-level ``token.py``)."""
+        self.workspace = workspace
+        self.stdlib = set(getattr(sys, "stdlib_module_names", ()))
+        self.loaded = set(sys.modules)
 
     def check(self):
+        for name in list(sys.modules):
+            top = name.partition(".")[0]
+            if name in self.loaded or (top not in self.stdlib and top not in FRAMEWORK_MODULES):
+                continue
+            self.loaded.add(name)
+            where = getattr(sys.modules.get(name), "__file__", None) or ""
+            if where and os.path.abspath(where).startswith(self.workspace + os.sep):
+                what = "module %s from the workspace (%s)" % (name, os.path.relpath(where, self.workspace))
+                (self.found if top in FRAMEWORK_MODULES else self.shadowed).append(what)
         for name, obj in self.targets:
             now = _callables(obj)
             was = self.before[name]
@@ -117,6 +137,7 @@ def _framework_targets(framework):
         ("unittest.suite", unittest.suite),
     ]
     if framework == "pytest":
+        import pytest  # noqa: F401  (before the workspace is on any path: a `pytest.py` there cannot stand in)
         import _pytest.main
         import _pytest.python
         import _pytest.reports
@@ -272,7 +293,7 @@ def child(cfg, events_fd, cwd):
     os.setpgid(0, 0)
     _set_dumpable(True)
     os.dup2(2, 1)  # the tests print to the parent's stderr; the report (fd 1) is not theirs
-    guard = Guard(_framework_targets(cfg["framework"]))
+    guard = Guard(_framework_targets(cfg["framework"]), cwd)
     events = Events(events_fd, guard)
     sys.path.insert(0, cwd)
     sys.argv = ["kiln-runner"]
@@ -283,7 +304,7 @@ def child(cfg, events_fd, cwd):
             run_unittest(cfg["ids"], events)
     except BaseException as e:  # a SystemExit from the tests included: the run ended early
         events.send(t="error", where="runner", message=("%s: %s" % (type(e).__name__, e))[:MESSAGE_CHARS])
-    events.send(t="done", tampered=guard.check())
+    events.send(t="done", tampered=guard.check(), shadowed=guard.shadowed[:20])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -334,7 +355,7 @@ def report(cfg, events, timed_out, status, seconds):
     ids = cfg["ids"]
     wanted = {test_id: i for i, test_id in enumerate(ids)}
     results = [None] * len(ids)
-    problems, errors, tampered, done, extra, exit_code = [], [], [], False, 0, None
+    problems, errors, tampered, shadowed, done, extra, exit_code = [], [], [], [], False, 0, None
     for e in events:
         kind = e.get("t") if isinstance(e, dict) else None
         if kind == "result":
@@ -353,6 +374,7 @@ def report(cfg, events, timed_out, status, seconds):
         elif kind == "done" and not done:
             done = True
             tampered = [str(x) for x in e.get("tampered", [])]
+            shadowed = [str(x) for x in e.get("shadowed", [])]
         else:
             problems.append("an event kiln's runner never sends: %r" % (str(e)[:100],))
     statuses, messages, budget = [], {}, MESSAGES_CHARS
@@ -372,6 +394,7 @@ def report(cfg, events, timed_out, status, seconds):
         "messages": messages,
         "errors": errors[:20],
         "tampered": tampered,
+        "shadowed": shadowed,
         "completed": done,
         "timed_out": timed_out,
         "child_exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,

@@ -111,6 +111,8 @@ class RunnerReport(BaseModel):
     """(where, message) of failures outside any test: an id that does not load, a
     collection error, a class fixture, the run itself stopping."""
     tampered: list[str] = Field(default_factory=list)
+    shadowed: list[str] = Field(default_factory=list)
+    """Standard-library module names the workspace's own modules took."""
     completed: bool
     """The child reached its end; False: it exited, crashed or was killed first."""
     timed_out: bool
