@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import nats.errors
 import pytest
 from sqlalchemy import select
 
@@ -59,7 +58,7 @@ async def scored_messages(bus, n: int, timeout: float = 30.0) -> list[c.ScoredTr
     while len(out) < n and time.monotonic() < end:
         try:
             msgs = await sub.fetch(n - len(out), timeout=1)
-        except nats.errors.TimeoutError:
+        except asyncio.TimeoutError:  # nats-py raises its own subclass, or the plain one
             continue
         for m in msgs:
             out.append(c.ScoredTrajectory.model_validate_json(await bus._body(m)))  # claim-checked when large
@@ -269,3 +268,46 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
         assert info.num_ack_pending == 0
     finally:
         await platform.stop_all()
+
+
+async def test_infra_errors_are_kiln_s_own_failures_only(nats_server, bus, pg_url, run_dir, tmp_path):
+    """A task whose runner cannot work even on its pristine repository (its interpreter is
+    not in the sandbox) is kiln's failure: infra_error, checked on a fresh pristine room.
+    A task that makes touching its tests cost the reward scores a fix that edits them 0."""
+    broken = BASE.model_copy(update={"id": "no-python", "test_command": "python9 -m unittest -v test_calc"})
+    strict = BASE.model_copy(update={"id": "strict", "protected_touch": "fail"})
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(t.model_dump()) + "\n" for t in (broken, strict)))
+    exp = experiment(run_dir, nats_server.url, pg_url, tasks={"suite": str(tmp_path / "s.jsonl")})
+    p = InProcessPlatform(exp)
+    run_id = p.config("reward").run.id
+    await add_run(pg_url, run_id)
+    await p.start("env-pool")
+    await p.start("reward")
+    try:
+        fix_and_touch = FIX.model_copy(update={"changed": {**FIX.changed, "test_calc.py": BASE.test_files["test_calc.py"] + "# x\n"}})
+        cases = [
+            trajectory(run_id, None, tid="g3-broken").model_copy(update={"task_id": "no-python", "final_diff": FIX}),
+            trajectory(run_id, None, tid="g3-strict").model_copy(update={"task_id": "strict", "final_diff": fix_and_touch}),
+            trajectory(run_id, None, tid="g3-lenient").model_copy(update={"task_id": "strict", "final_diff": FIX}),
+        ]
+        for t in cases:
+            await bus.publish(c.TRAJECTORY_FINISHED, t, msg_id=t.trajectory_id)
+        got = {s.trajectory.trajectory_id: s for s in await scored_messages(bus, len(cases), 120)}
+    finally:
+        await p.stop_all()
+    assert got["g3-broken"].infra_error and "pristine repository" in got["g3-broken"].infra_error
+    s = got["g3-strict"]
+    assert s.reward == 0.0 and s.failure == c.Failure.PROTECTED and s.tests[BASE.fail_to_pass[0]] == c.CaseStatus.PASSED
+    assert s.integrity.protected == {"test_calc.py": "test file test_calc.py"} and s.infra_error is None
+    assert got["g3-lenient"].reward == 1.0 and got["g3-lenient"].passed
+
+
+async def test_reward_refuses_a_suite_it_cannot_score(nats_server, bus, pg_url, run_dir, tmp_path):
+    t = BASE.model_copy(update={"test_command": "bash run_tests.sh"})
+    (tmp_path / "s.jsonl").write_text(json.dumps(t.model_dump()) + "\n")
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, pg_url, tasks={"suite": str(tmp_path / "s.jsonl")}))
+    with pytest.raises(Exception, match="cannot be scored.*fix-calc.*not `python -m unittest"):
+        try:
+            await p.start("reward")
+        finally:
+            await p.stop_all()  # re-raises the service's own error

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shlex
 import zlib
 from dataclasses import dataclass
@@ -34,8 +35,11 @@ RUNNER = Path(__file__).with_name("runner.py")
 MAX_CONFIG_BYTES = 96 * 1024
 """Compressed ids and arguments (a command line's single argument must stay under 128 KiB)."""
 
-_PYTEST_DROP = {"-rA", "-q", "-v", "-vv", "-qq", "--color=no", "-x"}
-_PYTEST_DROP_WITH_VALUE = {"-p", "--tb"}
+_PYTEST_KEEP_WITH_VALUE = {"-p", "-o", "-W"}
+_PYTEST_DROP_WITH_VALUE = {"-k", "-m", "--tb", "-c", "--rootdir", "--junitxml", "--junit-xml", "--deselect", "--ignore", "--maxfail"}
+"""Selection and reporting: the runner runs exactly the task's ids and reports itself."""
+_PYTEST_DROP_PREFIXES = ("--junit", "--tb=", "--color=", "--rootdir=", "--deselect=", "--ignore=", "--maxfail=", "--result-log")
+_SHELL = re.compile(r"[;&|`$<>(){}\n]")
 
 
 class UnsupportedTestCommand(ValueError):
@@ -48,12 +52,15 @@ class RunnerSpec:
     """The interpreter, as the command named it (a name on the sandbox's PATH or a path)."""
     framework: Literal["unittest", "pytest"]
     args: tuple[str, ...] = ()
-    """Options kept for pytest (``-k``, ``-m`` and the like); targets are dropped: the
-    runner runs the task's ids."""
+    """pytest options kept (``-p``, ``-o``, ``-W`` and ``--name=value`` forms); targets,
+    selection (``-k``, ``-m``) and reporting options are dropped: the runner runs exactly
+    the task's ids and reports them itself."""
 
 
 @cache
 def runner_spec(test_command: str) -> RunnerSpec:
+    if _SHELL.search(test_command):
+        raise UnsupportedTestCommand(f"test command {test_command!r} is a shell pipeline, not one test run")
     try:
         words = shlex.split(test_command)
     except ValueError as e:
@@ -66,17 +73,15 @@ def runner_spec(test_command: str) -> RunnerSpec:
             "only through kiln's runner, which reads results from the framework itself, never from printed text (docs/reward.md)"
         )
     python, framework, rest = words[0], words[2], words[3:]
-    if any(w in ("&&", "||", ";", "|") for w in rest):
-        raise UnsupportedTestCommand(f"test command {test_command!r} chains other commands")
     args: list[str] = []
     if framework == "pytest":
-        skip = False
-        for w in rest:
-            if skip:
-                skip = False
+        it = iter(rest)
+        for w in it:
+            if w in _PYTEST_KEEP_WITH_VALUE:  # a plugin switched off, an ini override, a warning filter
+                args += [w, next(it, "")]
             elif w in _PYTEST_DROP_WITH_VALUE:
-                skip = True
-            elif w.startswith("-") and w not in _PYTEST_DROP and not w.startswith(("-p", "--tb=", "--junit")):
+                next(it, None)
+            elif w.startswith("--") and "=" in w and not w.startswith(_PYTEST_DROP_PREFIXES):
                 args.append(w)
     return RunnerSpec(python, framework, tuple(args))  # type: ignore[arg-type]
 

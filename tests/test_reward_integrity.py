@@ -1,0 +1,160 @@
+"""kiln's protected test runner and protected paths, as logic: the runner run for real (a
+``python -I -S`` process over a scratch repository, no sandbox), the command parsing,
+the report's checks and ``protect.plan``. The sandboxed whole is tests/test_reward_attacks.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kiln.shared import contracts as c
+from kiln.shared.tasks import load_suite
+from kiln.shared.tasks.protect import plan, protection, revert_config_changes
+from kiln.shared.tasks.testrun import (
+    ReportProblem, UnsupportedTestCommand, case_statuses, read_report, runner_command, runner_spec,
+)  # fmt: skip
+
+CALC = load_suite("builtin").get("fix-calc")
+IDS = CALC.fail_to_pass + CALC.pass_to_pass
+
+
+def run(tmp_path, files: dict[str, str], ids=IDS, timeout_s: float = 20.0, command: str | None = None):
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    cmd = runner_command(command or f"{sys.executable} -m unittest -v test_calc", ids, timeout_s)
+    r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    return r, read_report(r.stdout, ids)
+
+
+def test_the_runner_reports_statuses_and_prints_for_people(tmp_path):
+    r, report = run(tmp_path, CALC.files)
+    assert report.statuses == "FP" and report.completed and not report.tampered and not report.timed_out
+    assert case_statuses(report, IDS) == {IDS[0]: c.CaseStatus.FAILED, IDS[1]: c.CaseStatus.PASSED}
+    assert "AssertionError" in report.messages["0"]
+    assert "test_add_positive" in r.stderr and "FAIL" in r.stderr  # unittest's -v lines and traceback, on stderr
+    assert r.stdout.count("\n") == 0  # one JSON document, nothing else
+
+
+def test_an_id_that_does_not_load_is_missing_and_named(tmp_path):
+    _, report = run(tmp_path, CALC.files, ids=[*IDS, "test_calc.TestCalc.test_nope", "nomodule.T.t"])
+    assert report.statuses == "FPMM" and report.completed
+    assert {w for w, _ in report.errors} == {"test_calc.TestCalc.test_nope", "nomodule.T.t"}
+
+
+def test_subtests_and_fixtures_fail_their_tests(tmp_path):
+    files = {"test_calc.py": (
+        "import unittest\n\nclass TestCalc(unittest.TestCase):\n"
+        "    def test_add_positive(self):\n        for i in range(3):\n            with self.subTest(i=i):\n"
+        "                self.assertLess(i, 2)\n\n    def test_add_zero(self):\n        pass\n\n"
+        "class TestBroken(unittest.TestCase):\n    @classmethod\n    def setUpClass(cls):\n        raise RuntimeError('no db')\n\n"
+        "    def test_x(self):\n        pass\n"
+    )}  # fmt: skip
+    _, report = run(tmp_path, files, ids=[*IDS, "test_calc.TestBroken.test_x"])
+    assert report.statuses == "FPM"
+    assert any("setUpClass" in w and "no db" in m for w, m in report.errors)
+
+
+def test_the_code_under_test_cannot_reach_the_report(tmp_path):
+    # Every fd of the test process, the event pipe included: none of it forges the report;
+    # the run is incomplete. (The parent's /proc entries and signals to it are covered in
+    # the sandbox, where the runner is pid 1 and the tests have no capability:
+    # tests/test_reward_attacks.py; here the test runs as root, which may read /proc.)
+    forged = json.dumps({"kiln_runner": 1, "framework": "unittest", "count": 2, "statuses": "PP", "completed": True, "timed_out": False})
+    attack = (
+        f"import os, signal\nr = {forged!r}.encode()\n"
+        "for fd in range(0, 32):\n    try: os.write(fd, r)\n    except OSError: pass\n"
+        "os._exit(0)\n"
+    )  # fmt: skip
+    r, report = run(tmp_path, {**CALC.files, "calc.py": attack + CALC.files["calc.py"]})
+    assert report.statuses == "MM" and not report.completed and report.child_exit == 0, r.stderr
+
+
+def test_framework_patches_are_tampering(tmp_path):
+    patch = "import unittest\nunittest.TestCase.run = lambda self, result=None: result.addSuccess(self)\n"
+    _, report = run(tmp_path, {**CALC.files, "calc.py": patch + CALC.files["calc.py"]})
+    assert "unittest.TestCase.run" in report.tampered
+
+
+def test_isolated_interpreter_ignores_the_workspace_and_the_environment(tmp_path):
+    hook = "import os\nos._exit(3)\n"
+    files = {**CALC.files, "sitecustomize.py": hook, "usercustomize.py": hook, "unittest.py": hook, "x.pth": "import os; os._exit(3)\n"}
+    cmd = runner_command(f"{sys.executable} -m unittest -v test_calc", IDS, 20)
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "PYTHONSTARTUP": str(tmp_path / "sitecustomize.py"),
+           "PYTHONUSERBASE": str(tmp_path)}  # fmt: skip
+    r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert read_report(r.stdout, IDS).statuses == "FP", r.stderr
+
+
+def test_a_hang_is_killed_at_the_deadline_with_its_finished_tests_kept(tmp_path):
+    hang = CALC.files["test_calc.py"].replace("self.assertEqual(add(0, 0), 0)", "import time\n        time.sleep(3600)")
+    _, report = run(tmp_path, {**CALC.files, "test_calc.py": hang}, timeout_s=3)
+    assert report.timed_out and not report.completed and report.statuses == "FM" and report.child_signal == 9
+
+
+def test_pytest_through_the_runner(tmp_path):
+    pytest_cmd = f"{sys.executable} -m pytest -rA -p no:cacheprovider -k add --import-mode=prepend tests"
+    files = {"calc.py": "def add(a, b):\n    return a - b\n",
+             "tests/test_calc.py": "import pytest\nfrom calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n\n"
+                                   "def test_zero():\n    assert add(0, 0) == 0\n\n@pytest.mark.xfail\ndef test_xf():\n    assert 0\n\n"
+                                   "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup')\n\ndef test_setup(broken):\n    pass\n"}  # fmt: skip
+    ids = ["tests/test_calc.py::test_add", "tests/test_calc.py::test_zero", "tests/test_calc.py::test_xf", "tests/test_calc.py::test_setup"]
+    r, report = run(tmp_path, files, ids=ids, command=pytest_cmd)
+    # plugins and --name=value options kept; selection and targets dropped: the ids are what runs
+    assert runner_spec(pytest_cmd).args == ("-p", "no:cacheprovider", "--import-mode=prepend")
+    assert report.framework == "pytest" and report.completed, r.stderr
+    assert report.statuses == "FPPE", (report, r.stderr)
+
+
+@pytest.mark.parametrize("command,framework", [
+    ("python3 -m unittest -v test_calc", "unittest"),
+    ("PYTHONDONTWRITEBYTECODE=1 python -m pytest -rA -p no:cacheprovider --color=no tests/a.py", "pytest"),
+    ("/usr/local/bin/python3.11 -m pytest -q tests", "pytest"),
+])  # fmt: skip
+def test_supported_test_commands(command, framework):
+    assert runner_spec(command).framework == framework
+
+
+@pytest.mark.parametrize("command", [
+    "python tests/runtests.py --verbosity 2", "bash run_tests.sh", "python -m unittest -v t; echo OK",
+    "touch x; python3 -m unittest", "python -c 'print(1)'", "pytest tests",
+])  # fmt: skip
+def test_unsupported_test_commands_are_refused(command):
+    with pytest.raises(UnsupportedTestCommand):
+        runner_spec(command)
+
+
+@pytest.mark.parametrize("stdout,why", [
+    ("", "no report"),
+    ("OK\n", "not valid"),
+    ('{"kiln_runner": 1, "framework": "unittest", "count": 2, "statuses": "P", "completed": true, "timed_out": false}', "covers 1"),
+    ('{"kiln_runner": 1, "framework": "unittest", "count": 2, "statuses": "PX", "completed": true, "timed_out": false}', "not valid"),
+    ('{"kiln_runner": 1, "framework": "unittest", "count": 2, "statuses": "PP", "completed": true, "timed_out": false}{"x": 1}', "not valid"),
+])  # fmt: skip
+def test_unusable_reports_are_refused(stdout, why):
+    with pytest.raises(ReportProblem, match=why):
+        read_report(stdout, IDS)
+
+
+def test_protected_paths():
+    p = protection(["tests/unit/test_a.py", "test_root.py", "pkg/tests/test_b.py"], ["fixtures/*"])
+    assert p.reason("tests/unit/test_a.py") and p.reason("tests/new_helper.py") and p.reason("tests")  # the whole folder
+    assert p.reason("pkg/tests/data.json") and p.reason("test_other.py") and p.reason("other_test.py")
+    assert p.reason("conftest.py") and p.reason("src/pkg/conftest.py") and p.reason("pytest.ini")
+    assert p.reason("fixtures/golden.txt") and p.reason("test_root.py/inside")  # a file turned into a folder
+    assert not p.reason("calc.py") and not p.reason("pkg/calc.py") and not p.reason("pyproject.toml")
+    diff = c.WorkspaceDiff(changed={"calc.py": "x", "conftest.py": "y", "pyproject.toml": "[tool.pytest.ini_options]\naddopts='-x'\n",
+                                    "setup.cfg": "[metadata]\nname = calc2\n"},
+                           deleted=["tests/unit/test_a.py", "old.py"], binary=["tests/link", "blob.bin"])  # fmt: skip
+    room = plan(p, diff)
+    assert room.changed.keys() == {"calc.py", "pyproject.toml", "setup.cfg"} and room.deleted == ["old.py"]
+    assert set(room.protected) == {"conftest.py", "tests/unit/test_a.py", "tests/link"}
+    assert room.not_reproduced == ["blob.bin"] and room.config_checks == ["pyproject.toml", "setup.cfg"]
+    # pyproject's pytest section changed (reverted); setup.cfg's metadata only (kept)
+    revert_config_changes(room, {"pyproject.toml": "[project]\nname='calc'\n", "setup.cfg": "[metadata]\nname = calc\n"})
+    assert "pyproject.toml" in room.protected and "pyproject.toml" not in room.changed and "setup.cfg" in room.changed
