@@ -72,6 +72,16 @@ def test_bus():
         number(r[1])
 
 
+def test_reward():
+    out = bench("reward.py", "--rounds", "1", "--tasks", "2", "--concurrency", "2")
+    rows = table(out, "| scoring (4 trajectories, 2 built-in tasks) | p50 ms | mean ms | per second, 2 at a time |")
+    assert [r[0] for r in rows] == ["(a) in place, printed output parsed", "(b) clean room, kiln's runner"]
+    for r in rows:
+        for x in r[1:]:
+            number(x)
+    assert re.search(r"^\(b\)/\(a\): p50 [\d.]+, mean [\d.]+, throughput [\d.]+$", out, re.M), out
+
+
 def test_envpool():
     """Two env-pool nodes (their own processes), so that the workspaces figure sums
     both nodes' own ``<node id>-<pid>`` folders, as each node reports them."""

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -76,6 +77,11 @@ class Scorer:
             )
 
     async def on_trajectory(self, traj: c.Trajectory, delivery: Delivery) -> None:
+        # The agent's sandbox plays no part in the score once its diff is in hand: it goes
+        # while the clean room runs (after scoring when the diff must be read from it).
+        release = None
+        if traj.sandbox and self.cfg.reward.destroy_sandbox and traj.final_diff is not None:
+            release = asyncio.ensure_future(self._destroy(traj.sandbox))
         with self.ctx.tracer.start_as_current_span(
             "reward.score", attributes={"trajectory_id": traj.trajectory_id, "delivery": delivery.num_delivered}
         ) as span:
@@ -112,7 +118,9 @@ class Scorer:
             # Evaluation episodes go to their collector, never to the learner.
             subject = c.EVAL_SCORED if traj.purpose == "eval" else c.TRAJECTORY_SCORED
             await self.ctx.bus.publish(subject, scored, msg_id=traj.trajectory_id)
-        if traj.sandbox and self.cfg.reward.destroy_sandbox:
+        if release is not None:
+            await release
+        elif traj.sandbox and self.cfg.reward.destroy_sandbox:
             await self._destroy(traj.sandbox)
         self.scored += 1
         self.ctx.health_detail["scored"] = self.scored
