@@ -44,6 +44,8 @@ async def db(tmp_path):
                 dispatch_version=vmin, min_version=vmin, max_version=vmin, reward=1.0 if i % 2 else 0.0, passed=bool(i % 2),
                 num_tokens=50, num_generated=20, num_turns=2, finish_reason="no_tool_call", trained_version=trained,
                 tests={"test_add": "passed"}, reward_terms={"tests": 1.0}, test_output="1 passed <script>x</script>",
+                failure={0: "tests_failed", 2: "tampered"}.get(i), touched_protected=i == 0, tampered=i == 2,
+                integrity={"protected": {"test_calc.py": "test file test_calc.py"}} if i == 0 else {},
                 trace_id="ab" * 16, messages=[
                     {"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "fix calc.py"},
                     {"role": "assistant", "content": "Reading <b>it</b>", "version": vmin,
@@ -75,6 +77,18 @@ def test_run_page_plots_every_curve_from_the_database(db):
         assert client.get("/runs/nope").status_code == 404
         api = client.get("/api/runs/r1").json()
         assert [s["version"] for s in api["steps"]] == [1, 2, 3] and api["staleness"] == {"0": 3, "1": 1}
+        # reward hacking shows per version: who touched protected files, who tampered
+        assert api["integrity"] == [
+            {"version": 0, "scored": 2, "touched_protected": 1, "tampered": 0, "failed": 1},
+            {"version": 1, "scored": 1, "touched_protected": 0, "tampered": 1, "failed": 1},
+            {"version": 2, "scored": 1, "touched_protected": 0, "tampered": 0, "failed": 0},
+        ]
+        assert api["failures"] == {"tests_failed": 1, "tampered": 1}
+        assert '<tr data-version="1"><td>1</td><td>1</td>' in page and "tampered: 1" in page
+        integrity = re.search(r'<svg data-plot="integrity".*?</svg>', page, re.S).group(0)
+        assert 'data-series="touched protected"' in integrity and 'data-x="1" data-y="1"' in integrity
+        detail = client.get("/runs/r1/trajectories/g0-s0").text
+        assert "tests_failed" in detail and "<code>test_calc.py</code> (test file test_calc.py)" in detail
 
 
 def test_trajectory_page_renders_turns_escaped(db):

@@ -39,7 +39,9 @@ from kiln.shared.bus import RemoteError
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task
 from kiln.shared.tasks.protect import CleanRoomPlan, plan, protection, revert_config_changes
-from kiln.shared.tasks.testrun import ReportProblem, RunnerReport, case_statuses, read_report, runner_command, runner_spec
+from kiln.shared.tasks.testrun import (
+    ReportProblem, RunnerReport, UnsupportedTestCommand, case_statuses, read_report, runner_command, runner_spec,
+)  # fmt: skip
 
 log = logging.getLogger("kiln.reward.cleanroom")
 
@@ -119,6 +121,8 @@ class CleanRoom:
                                              task.timeout_s + self.grace_s)  # fmt: skip
         except RemoteError as e:
             raise InfraError(f"the clean room failed: {e}") from None
+        except UnsupportedTestCommand as e:  # the task's, not the trajectory's (too many ids)
+            raise InfraError(f"task {task.id} cannot be run by kiln's runner: {e}") from None
         output = result.stderr
         try:
             report = read_report(result.stdout, ids, runner_spec(task.test_command).framework)

@@ -249,7 +249,8 @@ class ScoredTrajectory(Message):
     reward_terms: dict[str, float] = Field(default_factory=dict)
     """Each term of ``reward`` (``tests`` and any shaping terms); ``reward`` is their sum."""
     rescored_from_diff: bool = False
-    """The trajectory's sandbox was gone: the tests ran in a fresh one with its diff applied."""
+    """The tests ran in a fresh sandbox with the trajectory's diff applied (always, since
+    reward scores in a clean room: docs/reward.md)."""
     infra_error: str | None = None
     """Set when kiln's own machinery could not score (a lost sandbox, a dead node, the
     runner failing on the task's pristine repository): the learner masks the trajectory
