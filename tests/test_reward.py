@@ -289,6 +289,9 @@ async def test_infra_errors_are_kiln_s_own_failures_only(nats_server, bus, pg_ur
             trajectory(run_id, None, tid="g3-broken").model_copy(update={"task_id": "no-python", "final_diff": FIX}),
             trajectory(run_id, None, tid="g3-strict").model_copy(update={"task_id": "strict", "final_diff": fix_and_touch}),
             trajectory(run_id, None, tid="g3-lenient").model_copy(update={"task_id": "strict", "final_diff": FIX}),
+            # an external harness that hung: 0, whatever its workspace holds
+            trajectory(run_id, None, tid="g3-hung").model_copy(update={"task_id": "strict", "final_diff": FIX,
+                                                                        "finish_reason": "timeout", "harness_log": "stuck"}),
         ]
         for t in cases:
             await bus.publish(c.TRAJECTORY_FINISHED, t, msg_id=t.trajectory_id)
@@ -300,6 +303,8 @@ async def test_infra_errors_are_kiln_s_own_failures_only(nats_server, bus, pg_ur
     assert s.reward == 0.0 and s.failure == c.Failure.PROTECTED and s.tests[BASE.fail_to_pass[0]] == c.CaseStatus.PASSED
     assert s.integrity.protected == {"test_calc.py": "test file test_calc.py"} and s.infra_error is None
     assert got["g3-lenient"].reward == 1.0 and got["g3-lenient"].passed
+    hung = got["g3-hung"]
+    assert hung.reward == 0.0 and hung.failure == c.Failure.HARNESS and "stuck" in hung.failure_detail and hung.infra_error is None
 
 
 async def test_reward_refuses_a_suite_it_cannot_score(nats_server, bus, pg_url, run_dir, tmp_path):

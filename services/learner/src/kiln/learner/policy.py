@@ -189,31 +189,34 @@ class Policy:
         masked out; None trains every generated token). On a multi-rank world this is
         rank 0's call: the batch is announced and every rank trains its rows."""
         a = self.cfg.algorithm
-        n = max(len(t.token_ids) for t, _ in batch)
+        # A trajectory an external harness split (it rewrote its history) trains each
+        # segment as a sequence of its own, every one with the trajectory's advantage.
+        rows = [(t, advantage, part) for t, advantage in batch for part in t.sequences()]
+        n = max(part.stop - part.start for _, _, part in rows)
         if self.cfg.learner.precision in ("mxfp8", "fp8_rowwise"):
             n = -(-n // 32) * 32  # MX blocks run along the token dimension in the backward
         pad = special_id(self.tokenizer, chat.PAD)
-        ids = torch.full((len(batch), n), pad, dtype=torch.long)
-        attn = torch.zeros((len(batch), n), dtype=torch.long)
-        loss_mask = torch.zeros((len(batch), n), dtype=torch.long)
-        versions = torch.full((len(batch), n), -1, dtype=torch.long)
-        behaviour = torch.zeros((len(batch), n))
-        adv = torch.zeros((len(batch), 1))
-        for i, (t, advantage) in enumerate(batch):
-            k = len(t.token_ids)
-            ids[i, :k] = torch.tensor(t.token_ids)
+        ids = torch.full((len(rows), n), pad, dtype=torch.long)
+        attn = torch.zeros((len(rows), n), dtype=torch.long)
+        loss_mask = torch.zeros((len(rows), n), dtype=torch.long)
+        versions = torch.full((len(rows), n), -1, dtype=torch.long)
+        behaviour = torch.zeros((len(rows), n))
+        adv = torch.zeros((len(rows), 1))
+        for i, (t, advantage, part) in enumerate(rows):
+            k = part.stop - part.start
+            ids[i, :k] = torch.tensor(t.token_ids[part])
             attn[i, :k] = 1
-            loss_mask[i, :k] = torch.tensor(t.loss_mask)
-            versions[i, :k] = torch.tensor(t.token_versions)
-            behaviour[i, :k] = torch.tensor(t.logprobs)
+            loss_mask[i, :k] = torch.tensor(t.loss_mask[part])
+            versions[i, :k] = torch.tensor(t.token_versions[part])
+            behaviour[i, :k] = torch.tensor(t.logprobs[part])
             adv[i, 0] = advantage
         mask, stale = trained_token_mask(
             loss_mask, versions, version if version is not None else 0, a.max_staleness if version is not None else None
         )
         tensors = {"ids": ids, "attn": attn, "mask": mask.float(), "behaviour": behaviour, "adv": adv, "stale": stale}
         if self.world is not None:
-            if len(batch) < self.world.size:
-                raise ValueError(f"a batch of {len(batch)} trajectories cannot be split over {self.world.size} ranks")
+            if len(rows) < self.world.size:
+                raise ValueError(f"a batch of {len(rows)} sequences cannot be split over {self.world.size} ranks")
             self.world.announce("step", tensors)
         return self.step_tensors(tensors)
 

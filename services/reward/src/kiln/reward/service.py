@@ -38,7 +38,7 @@ from kiln.shared.tasks import TaskSuite
 from kiln.shared.tasks.testrun import UnsupportedTestCommand, runner_spec
 from kiln.shared.telemetry import trace_id_hex
 
-from kiln.reward.cleanroom import CleanRoom, InfraError
+from kiln.reward.cleanroom import CleanRoom, InfraError, Verdict
 from kiln.reward.config import RewardConfig
 from kiln.reward.functions import TestResults, resolve, shaping
 
@@ -138,10 +138,15 @@ class Scorer:
         if traj.status == c.TrajectoryStatus.INFRA_ERROR:
             return infra(traj.infra_error or "rollout reported an infrastructure error")
         task = self.suite.get(traj.task_id)
-        try:
-            verdict = await self.room.judge(traj, task)
-        except InfraError as e:
-            return infra(str(e))
+        if traj.finish_reason in c.HARNESS_FAILURES:  # nothing to test: a failure, never an escape from one
+            ids = task.fail_to_pass + task.pass_to_pass
+            verdict = Verdict({t: c.CaseStatus.MISSING for t in ids}, c.Failure.HARNESS,
+                              f"the harness ended with {traj.finish_reason}: {traj.harness_log[-300:]}")  # fmt: skip
+        else:
+            try:
+                verdict = await self.room.judge(traj, task)
+            except InfraError as e:
+                return infra(str(e))
         results = TestResults(verdict.tests, task.fail_to_pass, task.pass_to_pass, verdict.output, verdict.timed_out)
         terms = {"tests": 0.0 if verdict.zeroes_tests else float(self.reward_fn(traj, results))}
         terms.update(shaping(traj, self.cfg.reward.shaping))

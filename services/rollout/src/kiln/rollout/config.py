@@ -47,6 +47,28 @@ class SimSettings(Section):
     """See ``token_low``."""
 
 
+class HarnessSettings(Section):
+    kind: Literal["builtin", "python", "command"] = "builtin"
+    """``builtin``: kiln's own agent loop. ``python``: ``async def run(task, client, sandbox)``
+    named by ``entry``. ``command``: ``entry`` run by bash per episode with
+    ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` set to this episode's endpoint (docs/harnesses.md)."""
+    entry: str = ""
+    """``package.module:function`` (python) or a shell command (command)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """More environment variables for a command harness."""
+    tool_format: Literal["hermes", "qwen3_coder", "llama3_json"] = "hermes"
+    """The tool-call syntax the served model writes (``kiln.shared.toolformats``)."""
+    host: str = "127.0.0.1"
+    """Where the OpenAI-compatible endpoint listens (loopback, or the pod's address)."""
+    port: int = 0
+    """Its port (0: any free one)."""
+    grace_s: float = Field(default=10.0, ge=0)
+    """Time past the group's deadline before a harness is killed (``timeout``)."""
+    on_failure: Literal["zero", "mask"] = "zero"
+    """A harness that crashed or timed out: ``zero`` scores the sample 0, ``mask`` leaves
+    it out of the advantages (``infra_error``)."""
+
+
 class RolloutSettings(Section):
     role: Literal["train", "eval"] = "train"
     """``train``: generate the run's training groups under the newest version. ``eval``:
@@ -81,6 +103,9 @@ class RolloutSettings(Section):
     """Intra-op threads of the engine (several workers share the cores)."""
     max_observation_chars: int = 2000
     """Tool outputs longer than this are cut (head and tail kept) before the model sees them."""
+    harness: HarnessSettings = Field(default_factory=HarnessSettings)
+    """Who drives episodes: kiln's own loop or an external agent harness through the
+    worker's OpenAI-compatible endpoint."""
 
 
 class RolloutConfig(ServiceConfig):

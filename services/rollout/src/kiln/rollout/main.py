@@ -43,6 +43,8 @@ async def serve(ctx: ServiceContext) -> None:
     worker = RolloutWorker(ctx, engine, load_suite(cfg.tasks.suite))
     ctx.health_detail["engine"] = cfg.rollout.engine
     try:
+        if cfg.rollout.harness.kind != "builtin":
+            await worker.serve_endpoint()
         await ctx.bus.watch(c.ROLLOUT_CONTROL, c.RolloutControl, worker.on_control, deliver="new")
         await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
         if cfg.weights.fetch == "broadcast" and cfg.weights.broadcast_backend != "vllm-nccl":

@@ -48,6 +48,7 @@ from kiln.shared.weights.receiver import FsSource, HttpSource, WeightReceiver
 from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.engine import EngineDead, InferenceEngine
+from kiln.rollout.harness.runners import run_harness_episode
 
 log = logging.getLogger("kiln.rollout.worker")
 
@@ -70,12 +71,35 @@ class RolloutWorker:
         self._joined: asyncio.Task | None = None
         """vllm-nccl: joining the weights service's NCCL group (started after the first version)."""
         self.published = 0
+        self.endpoint = None
+        """The OpenAI-compatible endpoint of external harnesses (``serve_endpoint``), if any."""
+        self.endpoint_url = ""
         self.suspend = asyncio.Event()
         self.resume_at = -1
         """Version an abort asked for; below it the worker takes no fresh work."""
         self.suspended = 0
         self.resumed = 0
         self.abandoned = 0
+
+    # --- an external harness's endpoint ---------------------------------------
+
+    async def serve_endpoint(self) -> str:
+        """Start the OpenAI-compatible endpoint external harnesses call (``rollout.harness``)."""
+        from kiln.rollout.harness.server import Endpoint
+        from kiln.shared.http import serve_http
+
+        h = self.cfg.rollout.harness
+        self.endpoint = Endpoint(self.cfg.run.name or "kiln-policy", self.envpool)
+        # Each episode authenticates with its own key; the token check guards the wider bind.
+        self.endpoint_url, _ = await serve_http(self.endpoint.app, h.host, h.port, "" if h.host in ("127.0.0.1", "localhost", "::1") else "episode-keys", self.ctx.stop)
+        self.ctx.health_detail["endpoint"] = self.endpoint_url
+        log.info("OpenAI-compatible endpoint for %s harnesses at %s/v1", h.kind, self.endpoint_url)
+        return self.endpoint_url
+
+    async def served(self, version: int) -> None:
+        """Wait until the engine serves ``version`` (or newer)."""
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.engine.version >= version)
 
     # --- control -------------------------------------------------------------
 
@@ -317,9 +341,13 @@ class RolloutWorker:
             m.in_flight.add(1)
             t0 = time.monotonic()
             try:
-                out = await run_episode(
-                    spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer, suspend=self.suspend, resume=partial
-                )
+                if self.endpoint is not None:  # an external harness drives it; suspensions stay inside its calls
+                    out = await run_harness_episode(spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout,
+                                                    self.endpoint, self.endpoint_url, lambda: self.served(self.resume_at))  # fmt: skip
+                else:
+                    out = await run_episode(
+                        spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer, suspend=self.suspend, resume=partial
+                    )
             finally:
                 m.in_flight.add(-1)
             if not isinstance(out, Stale):  # tokens this episode added (a resumed one carries earlier ones)

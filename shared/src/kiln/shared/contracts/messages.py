@@ -120,6 +120,14 @@ class TrajectoryStatus(str, Enum):
     INFRA_ERROR = "infra_error"
 
 
+class Segment(Message):
+    """Where a trajectory restarts: the tokens from ``start`` on train as a sequence of
+    their own (a harness rewrote its history, so they do not extend the ones before)."""
+
+    start: int
+    reason: str
+
+
 class Trajectory(Message):
     """A whole agent episode. Token arrays are parallel: ``token_ids[i]`` was produced
     with ``logprobs[i]`` under policy ``token_versions[i]`` when ``loss_mask[i]`` is 1;
@@ -144,12 +152,18 @@ class Trajectory(Message):
     num_turns: int = 0
     malformed_tool_calls: int = 0
     finish_reason: str = ""
-    """Why the episode ended: ``no_tool_call``, ``max_turns``, ``max_tokens``, ``deadline``, ``error``."""
+    """Why the episode ended: ``no_tool_call``, ``max_turns``, ``max_tokens``, ``deadline``,
+    ``error``; for an external harness also ``harness_done``, ``harness_error`` and
+    ``timeout`` (the last two score 0 by default: ``HARNESS_FAILURES``)."""
     sandbox: SandboxRef | None = None
-    """The sandbox holding the final workspace; reward runs the tests there and destroys it."""
+    """The sandbox holding the final workspace (reward destroys it once scored)."""
     final_diff: WorkspaceDiff | None = None
-    """The final workspace as changes to the task's files, for scoring in a fresh sandbox
-    when ``sandbox`` is gone."""
+    """The final workspace as changes to the task's files: what reward scores, in a clean room."""
+    segments: list[Segment] = Field(default_factory=list)
+    """Restarts of the token sequence (an external harness rewrote its history): each
+    ``start`` opens a sequence that trains on its own; empty: one sequence."""
+    harness_log: str = ""
+    """The tail of an external harness's own output (why it failed, for people)."""
     worker_id: str = ""
     started_at: float = Field(default_factory=time.time)
     finished_at: float = Field(default_factory=time.time)
@@ -163,7 +177,15 @@ class Trajectory(Message):
         n = len(self.token_ids)
         if not (len(self.logprobs) == len(self.token_versions) == len(self.loss_mask) == n):
             raise ValueError("token_ids, logprobs, token_versions and loss_mask must have equal length")
+        starts = [s.start for s in self.segments]
+        if starts != sorted(set(starts)) or any(not 0 < x < n for x in starts):
+            raise ValueError("segment starts must be increasing offsets inside the token sequence")
         return self
+
+    def sequences(self) -> list[slice]:
+        """The token ranges that train as sequences of their own (one without segments)."""
+        bounds = [0, *(s.start for s in self.segments), len(self.token_ids)]
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
     def generated_versions(self) -> list[int]:
         return [v for v, m in zip(self.token_versions, self.loss_mask) if m]
@@ -224,6 +246,11 @@ class Failure(str, Enum):
     where a folder must be, ...)."""
     PROTECTED = "protected"
     """The trajectory changed protected files and the task makes that cost the reward."""
+
+
+HARNESS_FAILURES = ("harness_error", "timeout")
+"""``Trajectory.finish_reason`` of an external harness that crashed or outlived its
+episode: scored 0 by reward (failure ``harness``) unless the suite masks them."""
 
 
 class Integrity(Message):
