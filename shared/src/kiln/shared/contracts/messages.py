@@ -246,6 +246,8 @@ class Failure(str, Enum):
     where a folder must be, ...)."""
     PROTECTED = "protected"
     """The trajectory changed protected files and the task makes that cost the reward."""
+    HARNESS = "harness"
+    """The external harness crashed or outlived its episode (``HARNESS_FAILURES``)."""
 
 
 HARNESS_FAILURES = ("harness_error", "timeout")
