@@ -5,8 +5,9 @@
 episode's key, ``sandbox`` runs commands and kiln tools in the episode's sandbox.
 ``command``: ``entry`` run by bash, in any language, with ``OPENAI_BASE_URL``,
 ``OPENAI_API_KEY`` (the episode's key), ``KILN_EXEC_URL`` (the exec bridge: ``kiln-exec``
-reads it), ``KILN_TASK_ID`` and ``KILN_PROBLEM_STATEMENT`` set; its working folder is
-a scratch folder of its own, never the sandbox's files.
+reads it), ``KILN_TASK_ID``, ``KILN_PROBLEM_STATEMENT`` and ``KILN_WORKDIR`` (the worker's
+own working folder, where ``kiln run`` started) set; its working folder is a scratch
+folder of its own, never the sandbox's files.
 
 Invariants: the episode's key is revoked when the harness returns, fails or runs out of
 time (a straggling call gets 401); a harness that raises or exits non-zero ends as
@@ -155,7 +156,8 @@ async def run_harness_episode(
         else:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
                    "OPENAI_BASE_URL": f"{base_url}/v1", "OPENAI_API_KEY": key, "KILN_EXEC_URL": f"{base_url}/kiln/v1",
-                   "KILN_TASK_ID": task.id, "KILN_PROBLEM_STATEMENT": task.problem_statement, **h.env}  # fmt: skip
+                   "KILN_TASK_ID": task.id, "KILN_PROBLEM_STATEMENT": task.problem_statement, "KILN_WORKDIR": os.getcwd(),
+                   **h.env}  # fmt: skip
             log = await _run_command(h, env, timeout_s)
     except HarnessFailed as e:
         outcome, log = e.outcome, e.log

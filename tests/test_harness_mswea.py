@@ -1,0 +1,58 @@
+"""mini-swe-agent, installed unmodified from PyPI in a virtualenv of its own
+(scripts/setup-mini-swe-agent.sh), as a command harness: its model calls go to the
+episode's endpoint (through litellm, as it ships), its shell commands run in a real
+env-pool sandbox through kiln's environment class and the exec bridge, and reward
+scores the result. Every trained token is one the engine generated, with the logprob
+and version it reported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kiln.shared import contracts as c
+
+from kiln.rollout.config import HarnessSettings
+
+from test_agent import TASK
+from test_harness import Scripted, run
+
+REPO = Path(__file__).resolve().parents[1]
+BASH = {"type": "function", "function": {"name": "bash"}}
+
+
+def bash_call(command: str) -> str:
+    import json
+
+    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def mswea_venv(tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("mswea") / "venv"
+    subprocess.run([str(REPO / "scripts" / "setup-mini-swe-agent.sh"), str(venv)], check=True, timeout=900)
+    return venv
+
+
+async def test_mini_swe_agent_fixes_the_task_in_the_sandbox(envpool, mswea_venv, monkeypatch):
+    monkeypatch.chdir(REPO)  # KILN_WORKDIR: where the harness script is
+    engine = Scripted([
+        "Let me fix the bug." + bash_call("sed -i 's/a - b/a + b/' calc.py && cat calc.py"),
+        "Done." + bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+    ])  # fmt: skip
+    harness = HarnessSettings(kind="command", entry='bash "$KILN_WORKDIR/scripts/harness-mini-swe-agent.sh"',
+                              env={"KILN_MSWEA_VENV": str(mswea_venv)})  # fmt: skip
+    t = await run(envpool, engine, harness, deadline_s=300)
+    assert t.finish_reason == "harness_done", t.harness_log
+    assert "exit status: Submitted" in t.harness_log
+    assert t.final_diff.changed == {"calc.py": "def add(a, b):\n    return a + b\n"}
+    assert t.num_turns == 2 and not t.segments  # mini-swe-agent keeps its history: one trajectory
+    trained = [(x, lp, v) for x, lp, v, m in zip(t.token_ids, t.logprobs, t.token_versions, t.loss_mask) if m]
+    assert trained == [x for g in engine.generated for x in zip(*g)]
+    # mini-swe-agent's own prompt reached the model, with its bash tool
+    assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in t.messages[0].content + t.messages[1].content
+    await envpool.destroy(t.sandbox)
+    assert os.path.exists(mswea_venv / "bin" / "mini")
