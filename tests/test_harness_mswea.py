@@ -56,3 +56,29 @@ async def test_mini_swe_agent_fixes_the_task_in_the_sandbox(envpool, mswea_venv,
     assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in t.messages[0].content + t.messages[1].content
     await envpool.destroy(t.sandbox)
     assert os.path.exists(mswea_venv / "bin" / "mini")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_mini_swe_agent_preset_trains(tmp_path, mswea_venv):
+    """`kiln run --config configs/harness-mini-swe-agent.toml`: every service a process,
+    mini-swe-agent driving every episode; reward scores them, the learner trains them."""
+    import psycopg
+
+    from kiln.shared.embedded import PostgresServer
+
+    proc = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "kiln"), "run", "--config", str(REPO / "configs" / "harness-mini-swe-agent.toml"),
+         "--set", f"run.root={tmp_path}", "--set", f'rollout.harness.env={{KILN_MSWEA_VENV = "{mswea_venv}"}}'],
+        capture_output=True, text=True, timeout=800, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    pg = PostgresServer(run_dir / "db" / "pg").start()
+    try:
+        with psycopg.connect(pg.url) as conn:
+            rows = conn.execute("SELECT finish_reason, num_turns, num_generated, trained_version, infra_error FROM trajectories").fetchall()
+    finally:
+        pg.stop()
+    assert len(rows) == 4 and all(r[0] in ("harness_done", "harness_error") and r[4] is None for r in rows), rows
+    assert all(r[3] in (1, 2) for r in rows) and any(r[2] > 0 for r in rows), rows

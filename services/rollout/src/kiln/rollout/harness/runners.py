@@ -43,6 +43,11 @@ from kiln.rollout.harness.episode import Budget, Episode
 from kiln.rollout.harness.server import Endpoint
 
 LOG_TAIL = 4000
+PASS_ENV = {"SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY",
+            "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "TMPDIR", "UV_CACHE_DIR", "XDG_CACHE_HOME"}
+PASS_ENV_PREFIXES = ("PIP_", "UV_")
+"""The worker's environment a command harness sees: how to reach package indexes (a
+harness may install itself on first use), nothing else (no service credentials)."""
 
 
 @dataclass
@@ -154,7 +159,8 @@ async def run_harness_episode(
             finally:
                 await client.close()
         else:
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
+            passed = {k: v for k, v in os.environ.items() if k in PASS_ENV or k.startswith(PASS_ENV_PREFIXES)}
+            env = {**passed, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
                    "OPENAI_BASE_URL": f"{base_url}/v1", "OPENAI_API_KEY": key, "KILN_EXEC_URL": f"{base_url}/kiln/v1",
                    "KILN_TASK_ID": task.id, "KILN_PROBLEM_STATEMENT": task.problem_statement, "KILN_WORKDIR": os.getcwd(),
                    **h.env}  # fmt: skip
