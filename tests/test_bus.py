@@ -244,8 +244,8 @@ async def test_consumer_survives_a_nats_restart(nats_server, bus):
         await wait_for(published, 60, 0.1, "a publish after the restart")
         await wait_for(lambda: "after" in seen, 30, 0.05, "the event published after the restart consumed")
         # At-least-once: a SIGKILLed server may lose an ack it had not yet persisted, so
-        # "before" can come again (handlers are idempotent); nothing is lost.
-        assert seen[-1] == "after" and set(seen) == {"before", "after"}
+        # "before" can come again, even after "after" (handlers are idempotent); nothing is lost.
+        assert set(seen) == {"before", "after"} and seen.count("after") >= 1
         assert not task.done()
     finally:
         stop.set()
