@@ -82,6 +82,14 @@ def test_reward():
     assert re.search(r"^\(b\)/\(a\): p50 [\d.]+, mean [\d.]+, throughput [\d.]+$", out, re.M), out
 
 
+def test_harness():
+    out = bench("harness.py", "--episodes", "4", "--concurrency", "2", "--per-token-ms", "1")
+    rows = table(out, "| path (4 episodes of 3 turns, 2 at a time, 1 ms/token) | generated tokens/s | tokens |")
+    assert [r[0] for r in rows] == ["(a) kiln's built-in loop", "(b) thin harness through the endpoint"]
+    assert rows[0][2] == rows[1][2] and number(rows[0][1]) > 0 and number(rows[1][1]) > 0
+    assert re.search(r"^\(b\)/\(a\) = [\d.]+$", out, re.M), out
+
+
 def test_envpool():
     """Two env-pool nodes (their own processes), so that the workspaces figure sums
     both nodes' own ``<node id>-<pid>`` folders, as each node reports them."""

@@ -240,6 +240,7 @@ async def run(envpool, engine, harness: HarnessSettings, deadline_s: float = 60)
         return await run_harness_episode(spec(deadline_s), engine, TOK, envpool, RolloutSettings(harness=harness), ep, url,
                                          lambda: asyncio.sleep(0))  # fmt: skip
     finally:
+        await ep.close()
         stop.set()
         await task
         assert not ep.bindings  # the key is revoked whatever happened

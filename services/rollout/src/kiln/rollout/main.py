@@ -54,6 +54,8 @@ async def serve(ctx: ServiceContext) -> None:
             ready=ctx.ready, before=(c.ROLLOUT_RESUMERS,), hold_back=worker.holding_back,
         )  # fmt: skip
     finally:
+        if worker.endpoint is not None:
+            await worker.endpoint.close()
         await engine.close()
 
 

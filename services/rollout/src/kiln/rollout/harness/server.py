@@ -79,7 +79,21 @@ class Endpoint:
         self.model_name = model_name
         self.envpool = envpool
         self.bindings: dict[str, Binding] = {}
+        self._http = None
         self.app = self._app()
+
+    def http_client(self):
+        """The connection pool in-process (Python) harnesses share (made on first use)."""
+        if self._http is None:
+            import openai
+
+            self._http = openai.DefaultAsyncHttpxClient(timeout=None)
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     def register(self, episode: Episode, sandbox: c.SandboxRef, exec_timeout_s: float = 600.0) -> str:
         key = "kiln-ep-" + secrets.token_urlsafe(32)
