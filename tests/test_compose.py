@@ -541,3 +541,10 @@ def test_grafana_dashboard_queries_only_declared_metrics(compose):
     import runpy
 
     assert runpy.run_path(str(sys_path))["dashboard"]() == board, "kiln.json is stale: run deploy/grafana/make_dashboard.py"
+
+
+def test_every_service_restarts_after_a_crash(compose):
+    """As `kiln run` does: a dead service comes back (the learner resumes from its checkpoint)."""
+    for folder in SERVICE_FOLDERS:
+        policy = str(_service(compose, folder).get("restart", "no"))
+        assert policy in ("unless-stopped", "always", "on-failure"), f"{folder} has restart {policy!r}: a crash would end the run"

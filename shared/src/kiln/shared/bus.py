@@ -118,6 +118,13 @@ class Delivery(Generic[M]):
 Handler = Callable[[M, Delivery], Awaitable[None]]
 
 
+_TRANSIENT = (
+    nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError, nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError,
+)  # fmt: skip
+"""Failures of a publish that a server coming back cures."""
+
+
 class Bus:
     def __init__(self, nc: nats.NATS, settings: NatsSettings, service: str, tracer: trace.Tracer | None = None):
         self.nc = nc
@@ -175,8 +182,9 @@ class Bus:
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
-            except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
-                await self.nc.close()  # the server is gone: nothing left to flush
+            except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.Error, OSError):
+                # The server is gone or going (a reset connection included): nothing left to flush.
+                await self.nc.close()
 
     async def ensure_topology(self) -> None:
         """Create or update every stream and durable consumer; safe to call from every service."""
@@ -246,12 +254,23 @@ class Bus:
         if msg_id:
             hdrs[c.HDR_MSG_ID] = msg_id
         data = msg.to_bytes()
-        if len(data) > self.settings.claim_check_bytes:
-            key = f"{subject}/{msg_id or uuid.uuid4().hex}"
-            await (await self._claims()).put(key, data)
-            hdrs[c.HDR_CLAIM] = key
-            data = b""
-        return await self.js.publish(subject, data, headers=hdrs)
+        give_up = time.monotonic() + self.settings.publish_retry_s
+        delay = 0.1
+        while True:
+            try:
+                if len(data) > self.settings.claim_check_bytes and c.HDR_CLAIM not in hdrs:
+                    key = f"{subject}/{msg_id or uuid.uuid4().hex}"
+                    await (await self._claims()).put(key, data)
+                    hdrs[c.HDR_CLAIM] = key
+                return await self.js.publish(subject, b"" if c.HDR_CLAIM in hdrs else data, headers=hdrs)
+            except _TRANSIENT as e:
+                # The server is away (restarting, a cluster electing a leader): a lost publish
+                # would leave work neither done nor failed, so wait for it to come back.
+                if time.monotonic() + delay > give_up:
+                    raise
+                log.warning("publish to %s failed (%s: %s); retrying in %.1fs", subject, type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _body(self, msg: Msg) -> bytes:
         key = (msg.headers or {}).get(c.HDR_CLAIM)

@@ -57,6 +57,10 @@ class NatsSettings(Section):
     """Per-durable override of a consumer's ack wait, e.g. ``{"reward-workers" = 5}``."""
     fetch_batch: int = 8
     """How many messages a pull consumer fetches at once."""
+    publish_retry_s: float = Field(default=120.0, ge=0)
+    """How long a JetStream publish keeps retrying while the server is away (restarting,
+    electing a leader) before it raises; retries of a publish with a message id are
+    deduplicated by the stream."""
 
 
 class DatabaseSettings(Section):
@@ -318,6 +322,15 @@ class LocalSettings(Section):
     """Serve the web dashboard (``kiln.shared.dashboard``) on 127.0.0.1 while the run is live."""
     dashboard_port: int = 0
     """Its port; 0 takes a free one (the URL is printed at start)."""
+    max_restarts: int = Field(default=5, ge=0)
+    """A service that exits more often than this within ``restart_window_s`` crash-loops:
+    the run fails with its log's tail. Below it, each exit is followed by a restart."""
+    restart_window_s: float = Field(default=300.0, gt=0)
+    """The window of ``max_restarts``."""
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    """Delay before the first restart of a service; it doubles with each restart in the window."""
+    restart_backoff_max_s: float = Field(default=30.0, ge=0)
+    """The longest delay before a restart."""
 
 
 class ServiceConfig(BaseSettings):

@@ -4,9 +4,16 @@ It creates a run folder, starts an embedded nats-server and database, migrates t
 database, writes the resolved experiment file every service reads, starts every
 installed service (``kiln.services`` entry points) as its own process with its log
 in ``<run>/logs/``, prints progress per policy version, and stops everything (services
-first, in reverse start order, then NATS and the database) when the run finishes, a
-service dies, the timeout passes, or on Ctrl-C. Exit code: 0 finished, 1 failed,
-130 interrupted.
+first, in reverse start order, then NATS and the database) when the run finishes, fails,
+the timeout passes, or on Ctrl-C. Exit code: 0 finished, 1 failed, 130 interrupted.
+
+It supervises as compose or Kubernetes would: a service process that dies is restarted
+with exponential backoff (``local.restart_backoff_s`` doubling up to
+``local.restart_backoff_max_s``), and the run fails only when one crash-loops (more than
+``local.max_restarts`` exits within ``local.restart_window_s``), with the reason and the
+tail of its log; the embedded nats-server is restarted at once on its port and store
+(clients reconnect, JetStream's state is on disk). A restarted learner resumes from its
+whole-state checkpoint; the other services are stateless (their work is redelivered).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
@@ -58,6 +65,19 @@ class Child:
     info: ServiceInfo
     proc: subprocess.Popen
     log: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)
+    """When it was restarted (monotonic), for the crash-loop window."""
+    restart_at: float | None = None
+    """When the pending restart is due (its backoff), None when it runs."""
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
+        start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
+    )  # fmt: skip
 
 
 def _say(msg: str) -> None:
@@ -81,6 +101,8 @@ class LocalPlatform:
         self.finished = asyncio.Event()
         self.failed: str | None = None
         self.steps: list[c.StepMetrics] = []
+        self.restarts = 0
+        """Service restarts during the run (printed in the summary)."""
 
     def _prepare(self) -> tuple[Path, LauncherConfig]:
         exp = self.experiment
@@ -130,15 +152,8 @@ class LocalPlatform:
             plan.append(("rollout", self.services["rollout"], "rollout-eval-0", ["--set", "rollout.role=eval"]))
         for _name, info, label, extra in plan:
             log = self.run_dir / "logs" / f"{label}.log"
-            argv = info.argv(load_config(info.config_class(), self.config_file))
-            proc = subprocess.Popen(
-                [*argv, "--config", str(self.config_file), "--instance", label, *extra],
-                stdout=open(log, "ab"),
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
-            )
-            self.children.append(Child(label, info, proc, log))
+            argv = [*info.argv(load_config(info.config_class(), self.config_file)), "--config", str(self.config_file), "--instance", label, *extra]
+            self.children.append(Child(label, info, spawn(argv, env, log), log, argv, env))
         _say("services: " + ", ".join(ch.name for ch in self.children) + f" (logs in {self.run_dir / 'logs'})")
 
     async def _watch(self, bus: Bus, run_id: str, steps: int) -> None:
@@ -174,25 +189,36 @@ class LocalPlatform:
         await bus.watch(c.RUN_EVENTS, c.RunEvent, on_event, deliver="new")
 
     async def _supervise(self, cfg: LauncherConfig) -> None:
+        """Until the run ends: restart what dies (services with backoff, nats-server at
+        once on its port and store), fail on a crash loop or the timeout."""
         deadline = time.monotonic() + cfg.local.timeout_s
         while not self.finished.is_set():
+            if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is not None:
+                _say(f"nats-server exited with code {self.nats.proc.returncode}; restarting it (same port, same store)")
+                self.nats.start()  # clients reconnect by themselves; JetStream's store is on disk
             for ch in self.children:
-                if ch.proc.poll() is not None:
-                    # The learner ends by itself once the run is over. Its event may reach
-                    # us after its exit (or not at all, if the bus dropped us meanwhile):
-                    # the database row, written before the event, is the run's outcome.
-                    if ch.proc.returncode == 0:
-                        try:
-                            await asyncio.wait_for(self.finished.wait(), 2.0)
+                if ch.restart_at is not None:
+                    if time.monotonic() >= ch.restart_at:
+                        ch.proc, ch.restart_at = spawn(ch.argv, ch.env, ch.log), None
+                    continue
+                if ch.proc.poll() is None:
+                    continue
+                # The learner ends by itself once the run is over. Its event may reach us
+                # after its exit (or not at all, if the bus dropped us meanwhile): the
+                # database row, written before the event, is the run's outcome.
+                if ch.proc.returncode == 0 and ch.info.name == "learner":
+                    try:
+                        await asyncio.wait_for(self.finished.wait(), 2.0)
+                        return
+                    except asyncio.TimeoutError:
+                        status, detail = await self._run_status(cfg)
+                        if status == "finished":
                             return
-                        except asyncio.TimeoutError:
-                            status, detail = await self._run_status(cfg)
-                            if status == "finished":
-                                return
-                            if status == "failed":
-                                self.failed = detail or "the run failed"
-                                return
-                    self.failed = f"{ch.name} exited with code {ch.proc.returncode}; last lines of {ch.log}:\n" + _tail(ch.log)
+                        if status == "failed":
+                            self.failed = detail or "the run failed"
+                            return
+                if why := self._restart(ch, cfg):
+                    self.failed = why
                     return
             if time.monotonic() > deadline:
                 self.failed = f"the run did not finish within {cfg.local.timeout_s:.0f}s"
@@ -202,8 +228,25 @@ class LocalPlatform:
             except asyncio.TimeoutError:
                 pass
 
+    def _restart(self, ch: Child, cfg: LauncherConfig) -> str | None:
+        """Schedule ``ch``'s restart; the run's failure instead when it crash-loops."""
+        now = time.monotonic()
+        local = cfg.local
+        ch.restarts = [t for t in ch.restarts if now - t < local.restart_window_s] + [now]
+        code = ch.proc.returncode
+        if len(ch.restarts) > local.max_restarts:
+            return (f"{ch.name} crash-loops: it exited {len(ch.restarts)} times within {local.restart_window_s:.0f}s "
+                    f"(last exit code {code}); last lines of {ch.log}:\n" + _tail(ch.log))  # fmt: skip
+        delay = min(local.restart_backoff_s * 2 ** (len(ch.restarts) - 1), local.restart_backoff_max_s)
+        _say(f"{ch.name} exited with code {code}; restarting it in {delay:.1f}s (restart {len(ch.restarts)} of "
+             f"at most {local.max_restarts} in {local.restart_window_s:.0f}s)")  # fmt: skip
+        ch.restart_at = now + delay
+        self.restarts += 1
+        return None
+
     def _stop_children(self, grace: float) -> None:
         for ch in sorted(self.children, key=lambda ch: -ch.info.order):
+            ch.restart_at = None
             if ch.proc.poll() is None:
                 ch.proc.send_signal(signal.SIGTERM)
         end = time.monotonic() + grace
@@ -311,7 +354,8 @@ class LocalPlatform:
         groups = ", ".join(f"{n} {st}{f' ({r})' if r else ''}" for st, r, n in rows) or "none"
         lines = [
             "",
-            f"run {cfg.run.id} finished: {versions} policy versions stored (0..{versions - 1}), groups: {groups}",
+            f"run {cfg.run.id} finished: {versions} policy versions stored (0..{versions - 1}), groups: {groups}"
+            + (f"; {self.restarts} service restarts" if self.restarts else ""),
             f"  results:  {self.run_dir}",
             f"  config:   {self.config_file}",
             f"  logs:     {self.run_dir / 'logs'}",
