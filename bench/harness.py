@@ -1,6 +1,6 @@
 """Generated tokens per second: a thin harness through the endpoint vs kiln's built-in loop.
 
-    .venv/bin/python bench/harness.py [--episodes 48] [--concurrency 4] [--per-token-ms 4]
+    .venv/bin/python bench/harness.py [--episodes 48] [--concurrency 4] [--per-token-ms 4] [--rounds 3]
 
 Both paths run the same built-in tasks with the same engine against a real env-pool
 node (its own process, bwrap sandboxes) over a real nats-server:
@@ -15,7 +15,8 @@ node (its own process, bwrap sandboxes) over a real nats-server:
 The engine plays each task's episode as a model would write it (read the file, write the
 solution, answer), sleeping ``--per-token-ms`` per generated token as a decoder would:
 the endpoint's cost shows against a realistic generation time rather than against
-nothing. Prints tokens/s of each and (b)/(a); every trajectory must pass the same checks.
+nothing. (a) and (b) alternate ``--rounds`` times after a warm-up; prints the median
+tokens/s of each and (b)/(a); every trajectory must pass the same checks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,7 +101,7 @@ async def thin_harness(task, client, sandbox):
             msgs.append({"role": "tool", "tool_call_id": tc.id, "content": json.dumps({"error": res.error}) if res.error else res.output})
 
 
-async def main(episodes: int, concurrency: int, per_token_ms: float) -> None:
+async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-harness-"))
     nats = NatsServer(tmp / "nats").start()
     exp = tmp / "exp.toml"
@@ -154,9 +156,13 @@ async def main(episodes: int, concurrency: int, per_token_ms: float) -> None:
             return tokens / (time.perf_counter() - t0), tokens
 
         await measure(builtin)  # warm-up: templates and warm pools of every task
-        rate_a, n_a = await measure(builtin)
-        rate_b, n_b = await measure(harness)
-        assert n_a == n_b, (n_a, n_b)
+        rates: dict[str, list[float]] = {"a": [], "b": []}
+        for _ in range(rounds):  # alternated, so both see the same machine
+            for name, path in (("a", builtin), ("b", harness)):
+                rate, n = await measure(path)
+                rates[name].append(rate)
+        n_a = n_b = n
+        rate_a, rate_b = statistics.median(rates["a"]), statistics.median(rates["b"])
         await endpoint.close()
         stop.set()
         await server
@@ -166,7 +172,7 @@ async def main(episodes: int, concurrency: int, per_token_ms: float) -> None:
         node.send_signal(signal.SIGTERM)
         node.wait(30)
         nats.stop()
-    print(f"| path ({episodes} episodes of 3 turns, {concurrency} at a time, {per_token_ms:g} ms/token) | generated tokens/s | tokens |")
+    print(f"| path ({episodes} episodes of 3 turns, {concurrency} at a time, {per_token_ms:g} ms/token) | generated tokens/s (median of {rounds}) | tokens per round |")
     print("|---|---|---|")
     print(f"| (a) kiln's built-in loop | {rate_a:.0f} | {n_a} |")
     print(f"| (b) thin harness through the endpoint | {rate_b:.0f} | {n_b} |")
@@ -178,5 +184,6 @@ if __name__ == "__main__":
     ap.add_argument("--episodes", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--per-token-ms", type=float, default=4.0, help="simulated decode time per generated token")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of (a) and (b); the medians are printed")
     a = ap.parse_args()
-    asyncio.run(main(a.episodes, a.concurrency, a.per_token_ms))
+    asyncio.run(main(a.episodes, a.concurrency, a.per_token_ms, a.rounds))

@@ -160,11 +160,20 @@ class Episode:
         self.malformed = 0
         self.exhausted = False
         self.lock = asyncio.Lock()
+        self._turns: dict[str, list[int]] = {}
         self.last_messages: list[dict] = []
         """The messages of the last call (for the trajectory's transcript)."""
 
     def enc(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def enc_turn(self, text: str) -> list[int]:
+        """A whole rendered turn's ids; each call re-renders the conversation, so a turn
+        seen before is not tokenized again (same text, same ids: the turn is complete)."""
+        ids = self._turns.get(text)
+        if ids is None:
+            ids = self._turns[text] = self.enc(text)
+        return ids
 
     def closing(self, comp: Completion) -> list[int]:
         """What follows a generated turn in the chat format (as kiln's own loop writes it)."""
@@ -184,15 +193,15 @@ class Episode:
             m = messages[i]
             role = m.get("role")
             if role in ("system", "developer"):
-                ids += self.enc(f"<|im_start|>system\n{_text(m.get('content'))}{instructions}<|im_end|>\n")
+                ids += self.enc_turn(f"<|im_start|>system\n{_text(m.get('content'))}{instructions}<|im_end|>\n")
             elif role == "user":
-                ids += self.enc(chat.render_user(_text(m.get("content"))))
+                ids += self.enc_turn(chat.render_user(_text(m.get("content"))))
             elif role == "tool":
                 results = []
                 while i < len(messages) and messages[i].get("role") == "tool":
                     results.append(_text(messages[i].get("content")))
                     i += 1
-                ids += self.enc(chat.render_tool_results(results))
+                ids += self.enc_turn(chat.render_tool_results(results))
                 continue
             elif role == "assistant":
                 calls = message_calls(m)
@@ -202,7 +211,7 @@ class Episode:
                     spans.append((len(ids), kept))
                     ids += kept.ids + self.closing(kept)
                 else:  # history the harness wrote: context, in the model's own syntax
-                    ids += self.enc(_text(m.get("content")) + self.format.render(calls) + chat.EOS + "\n")
+                    ids += self.enc_turn(_text(m.get("content")) + self.format.render(calls) + chat.EOS + "\n")
             else:
                 raise EpisodeError(f"message {i}: unknown role {role!r}", "invalid_role")
             i += 1
