@@ -24,22 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 from opentelemetry import trace
 
 from kiln.shared import chat
 from kiln.shared import contracts as c
-from kiln.shared.bus import Bus
-from kiln.shared.config import NatsSettings, render_toml
-from kiln.shared.embedded import NatsServer
-from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.http import serve_http
 from kiln.shared.model.tokenizer import train_tokenizer
 from kiln.shared.tasks import load_suite
@@ -51,6 +42,8 @@ from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
+
+from common import envpool_node
 
 SUITE = load_suite("builtin")
 TOOLS = tool_schemas()
@@ -102,24 +95,9 @@ async def thin_harness(task, client, sandbox):
 
 
 async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-harness-"))
-    nats = NatsServer(tmp / "nats").start()
-    exp = tmp / "exp.toml"
-    exp.write_text(render_toml({"run": {"id": "bench", "dir": str(tmp / "run")}, "nats": {"url": nats.url},
-                                "tasks": {"suite": "builtin"}, "envpool": {"backend": "bwrap", "max_sandboxes": 256}}))  # fmt: skip
-    node = subprocess.Popen([sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "bench"])
-    bus = None
+    tasks = [t for t in SUITE.tasks if t.solution]
     stop = asyncio.Event()
-    try:
-        bus = await Bus.connect(NatsSettings(url=nats.url), "bench-harness")
-        pool = EnvPoolClient(bus)
-        tasks = [t for t in SUITE.tasks if t.solution]
-        for _ in range(600):
-            try:
-                await pool.destroy(await pool.create(tasks[0].id))
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+    async with envpool_node("builtin", tasks[0].id, "harness", max_sandboxes=256) as (_bus, pool):
         engine = PlayedEngine(per_token_ms / 1000)
         settings = RolloutSettings(max_turns=4, max_new_tokens=256, max_total_tokens=8192,
                                    harness=HarnessSettings(kind="python", entry="__main__:thin_harness"))  # fmt: skip
@@ -166,12 +144,6 @@ async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int
         await endpoint.close()
         stop.set()
         await server
-    finally:
-        if bus is not None:
-            await bus.close()
-        node.send_signal(signal.SIGTERM)
-        node.wait(30)
-        nats.stop()
     print(f"| path ({episodes} episodes of 3 turns, {concurrency} at a time, {per_token_ms:g} ms/token) | generated tokens/s (median of {rounds}) | tokens per round |")
     print("|---|---|---|")
     print(f"| (a) kiln's built-in loop | {rate_a:.0f} | {n_a} |")

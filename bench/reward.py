@@ -23,23 +23,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 from kiln.shared import contracts as c
-from kiln.shared.bus import Bus
-from kiln.shared.config import NatsSettings, render_toml
-from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
 from kiln.shared.tasks.report import outcome, parse_test_report
 
 from kiln.reward.cleanroom import CleanRoom
+
+from common import envpool_node
 
 
 async def agent(pool: EnvPoolClient, task: Task, solve: bool) -> c.Trajectory:
@@ -78,24 +72,7 @@ def pct(xs: list[float], q: float) -> float:
 async def main(rounds: int, concurrency: int, max_tasks: int | None) -> None:
     suite = load_suite("builtin")
     tasks = [t for t in suite.tasks if t.solution][:max_tasks]
-    tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-reward-"))
-    nats = NatsServer(tmp / "nats").start()
-    exp = tmp / "exp.toml"
-    exp.write_text(render_toml({
-        "run": {"id": "bench", "dir": str(tmp / "run")}, "nats": {"url": nats.url},
-        "tasks": {"suite": "builtin"}, "envpool": {"backend": "bwrap", "max_sandboxes": 512},
-    }))  # fmt: skip
-    node = subprocess.Popen([sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "bench"])
-    bus = None
-    try:
-        bus = await Bus.connect(NatsSettings(url=nats.url), "bench-reward")
-        pool = EnvPoolClient(bus)
-        for _ in range(600):
-            try:
-                await pool.destroy(await pool.create(tasks[0].id))
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+    async with envpool_node("builtin", tasks[0].id, "reward", max_sandboxes=512) as (_bus, pool):
         room = CleanRoom(pool, 15.0, 32 << 20)
         old: list[float] = []
         new: list[float] = []
@@ -128,12 +105,6 @@ async def main(rounds: int, concurrency: int, max_tasks: int | None) -> None:
         rate_old = await throughput(lambda tr, t: in_place(pool, tr, t))
         rate_new = await throughput(lambda tr, t: clean_room(room, pool, tr, t))
         await room.close()
-    finally:
-        if bus is not None:
-            await bus.close()
-        node.send_signal(signal.SIGTERM)
-        node.wait(30)
-        nats.stop()
     n = len(old)
     print(f"| scoring ({n} trajectories, {len(tasks)} built-in tasks) | p50 ms | mean ms | per second, {concurrency} at a time |")
     print("|---|---|---|---|")

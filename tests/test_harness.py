@@ -25,36 +25,28 @@ from kiln.shared.toolformats import FORMATS, tool_format
 
 from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
-from kiln.rollout.engine import Generation, InferenceEngine
+from kiln.rollout.engine import Generation
 from kiln.rollout.harness.episode import Budget, Episode
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
 
-from test_agent import TASK, TOK, request, tool_call
+from test_agent import TASK, TOK, ScriptedEngine, request, tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "run_terminal_cmd", "description": "run a shell command",
                                             "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
                                                            "required": ["command"]}}}]  # fmt: skip
 
 
-class Scripted(InferenceEngine):
+class Scripted(ScriptedEngine):
     """Plays back fixed turns; every token gets a distinct logprob and the version served.
     ``abort_first``: the first generation stops halfway with ``abort`` (a new version
     coming), as the worker's APRIL abort makes a real engine do."""
 
     def __init__(self, turns: list[str], version: int = 3, abort_first: bool = False):
-        self.turns = list(turns)
-        self.version = version
+        super().__init__(turns, version)
         self.abort_first = abort_first
-        self.prompts: list[list[int]] = []
         self.generated: list[tuple[list[int], list[float], list[int]]] = []
         self.pending: list[int] = []
-
-    async def load(self, version, folder):
-        self.version = version
-
-    async def abort(self):
-        pass
 
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         self.prompts.append(list(prompt_ids))

@@ -47,6 +47,7 @@ from kiln.shared.tools import ToolCallError, tool_schemas, validate_call
 
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import InferenceEngine
+from kiln.rollout.tokens import Sequence
 
 log = logging.getLogger("kiln.rollout.agent")
 
@@ -72,30 +73,6 @@ class Stale:
     sandbox: c.SandboxRef | None
 
 
-class _Sequence:
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.mask: list[int] = []
-
-    def context(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-        self.mask += [0] * len(ids)
-
-    def generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        self.ids += ids
-        self.logprobs += logprobs
-        self.versions += versions
-        self.mask += [1] * len(ids)
-
-    def oldest(self) -> int | None:
-        gen = [v for v, m in zip(self.versions, self.mask) if m]
-        return min(gen) if gen else None
-
-
 def clip_text(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -117,7 +94,7 @@ async def run_episode(
     req, task = spec.request, spec.task
     eos = special_id(tokenizer, chat.EOS)
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
-    seq = _Sequence()
+    seq = Sequence()
     traj = dict(
         run_id=req.run_id,
         trajectory_id=f"{req.group_id}-s{spec.sample_index}",
@@ -257,7 +234,7 @@ async def run_episode(
     return _finish(traj, seq, messages, c.TrajectoryStatus.FINISHED, None, turns, malformed, finish, sandbox, final_diff)
 
 
-def _finish(traj, seq: _Sequence, messages, status, infra_error, turns, malformed, finish, sandbox, final_diff=None) -> c.Trajectory:
+def _finish(traj, seq: Sequence, messages, status, infra_error, turns, malformed, finish, sandbox, final_diff=None) -> c.Trajectory:
     return c.Trajectory(
         **traj,
         status=status,

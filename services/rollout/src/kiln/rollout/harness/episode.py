@@ -39,6 +39,7 @@ from kiln.shared.model.tokenizer import special_id
 from kiln.shared.toolformats import ToolFormat
 
 from kiln.rollout.engine import InferenceEngine
+from kiln.rollout.tokens import Sequence
 
 
 class EpisodeError(Exception):
@@ -79,26 +80,6 @@ class CallRecord:
     choices: list[Completion]
     extended: bool
     """Its prompt extended the trajectory; False: it opened a new segment (or was first)."""
-
-
-@dataclass
-class Sequence:
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-
-    def context(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-        self.mask += [0] * len(ids)
-
-    def generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        self.ids += ids
-        self.logprobs += logprobs
-        self.versions += versions
-        self.mask += [1] * len(ids)
 
 
 def _text(content: Any) -> str:

@@ -144,35 +144,34 @@ class Endpoint:
 
         @app.post("/kiln/v1/exec")
         async def bridge_exec(request: Request):
-            b = self._binding(request)
-            if b is None:
-                return _error(401, "unknown or finished episode key", "invalid_api_key", "authentication_error")
-            try:
-                req = ExecRequest.model_validate(await request.json())
-            except (ValidationError, json.JSONDecodeError) as e:
-                return _error(400, f"invalid exec request: {e}", "invalid_request")
-            try:
+            async def run(b: Binding, req: ExecRequest):
                 r = await self.envpool.exec(b.sandbox, req.command, min(req.timeout_s, b.exec_timeout_s))
-            except RemoteError as e:
-                return _error(502, f"the sandbox could not run it: {e}", e.code, "server_error")
-            return r.model_dump(mode="json")
+                return r.model_dump(mode="json")
+
+            return await self._bridge(request, ExecRequest, run)
 
         @app.post("/kiln/v1/tools")
         async def bridge_tools(request: Request):
-            b = self._binding(request)
-            if b is None:
-                return _error(401, "unknown or finished episode key", "invalid_api_key", "authentication_error")
-            try:
-                req = ToolsRequest.model_validate(await request.json())
-            except (ValidationError, json.JSONDecodeError) as e:
-                return _error(400, f"invalid tools request: {e}", "invalid_request")
-            try:
-                results = await self.envpool.tools(b.sandbox, req.calls)
-            except RemoteError as e:
-                return _error(502, f"the sandbox could not run them: {e}", e.code, "server_error")
-            return {"results": [r.model_dump(mode="json") for r in results]}
+            async def run(b: Binding, req: ToolsRequest):
+                return {"results": [r.model_dump(mode="json") for r in await self.envpool.tools(b.sandbox, req.calls)]}
+
+            return await self._bridge(request, ToolsRequest, run)
 
         return app
+
+    async def _bridge(self, request: Request, model: type[BaseModel], run) -> Any:
+        """An exec-bridge call: the episode's key, a valid body, then ``run`` in its sandbox."""
+        b = self._binding(request)
+        if b is None:
+            return _error(401, "unknown or finished episode key", "invalid_api_key", "authentication_error")
+        try:
+            req = model.model_validate(await request.json())
+        except (ValidationError, json.JSONDecodeError) as e:
+            return _error(400, f"invalid {model.__name__}: {e}", "invalid_request")
+        try:
+            return await run(b, req)
+        except RemoteError as e:
+            return _error(502, f"the sandbox could not run it: {e}", e.code, "server_error")
 
     def _response(self, choices, req: ChatRequest, prompt_tokens: int) -> dict:
         out = []
