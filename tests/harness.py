@@ -56,21 +56,13 @@ async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Pat
     once unchanged, once with its solution written by the agent's ``write_file`` tool.
     Returns ({trajectory id: (reward, infra_error)}, what a sound reward gives: 0 and 1)."""
     from kiln.shared import contracts as c
-    from kiln.shared.db import Database, Run
     from kiln.shared.envpool_client import EnvPoolClient
     from kiln.shared.tasks import load_suite
 
     from test_reward import scored_messages, trajectory
 
     envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, db_url, envpool=envpool, tasks={"suite": str(suite)}))
-    run_id = p.config("reward").run.id
-    db = Database(db_url)
-    async with db.session() as s:
-        s.add(Run(id=run_id, name="t"))
-    await db.close()
-    await p.start("env-pool", instance="env-r")
-    await p.start("reward")
+    p, run_id = await reward_platform(run_dir, nats_server.url, db_url, suite, envpool=envpool)
     try:
         pool = EnvPoolClient(bus)
         want = {}
@@ -89,6 +81,22 @@ async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Pat
         return {s.trajectory.trajectory_id: (s.reward, s.infra_error) for s in scored}, want
     finally:
         await p.stop_all()
+
+
+async def reward_platform(run_dir: Path, nats_url: str, db_url: str, suite, **sections) -> tuple["InProcessPlatform", str]:
+    """env-pool and reward (in-process) over ``suite``, with the run's row in the
+    database; (platform, run id)."""
+    from kiln.shared.db import Database, Run
+
+    p = InProcessPlatform(experiment(run_dir, nats_url, db_url, tasks={"suite": str(suite)}, **sections))
+    run_id = p.config("reward").run.id
+    db = Database(db_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    await db.close()
+    await p.start("env-pool")
+    await p.start("reward")
+    return p, run_id
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kiln.shared.db import Database, Run, TrajectoryRecord
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import load_suite
 
-from harness import InProcessPlatform, experiment, wait_for
+from harness import InProcessPlatform, experiment, reward_platform, wait_for
 
 BASE = load_suite("builtin").get("fix-calc")
 
@@ -67,15 +67,10 @@ async def scored_messages(bus, n: int, timeout: float = 30.0) -> list[c.ScoredTr
     return out
 
 
-async def reward_platform(nats_server, pg_url, run_dir, tasks: list, path, **sections) -> tuple[InProcessPlatform, str]:
+async def reward_on(nats_server, pg_url, run_dir, tasks: list, path, **sections) -> tuple[InProcessPlatform, str]:
     """env-pool and reward over a suite of ``tasks`` written to ``path``; (platform, run id)."""
     path.write_text("".join(json.dumps(t.model_dump()) + "\n" for t in tasks))
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, pg_url, tasks={"suite": str(path)}, **sections))
-    run_id = p.config("reward").run.id
-    await add_run(pg_url, run_id)
-    await p.start("env-pool")
-    await p.start("reward")
-    return p, run_id
+    return await reward_platform(run_dir, nats_server.url, pg_url, path, **sections)
 
 
 async def add_run(db_url: str, run_id: str) -> None:
@@ -189,7 +184,7 @@ async def test_partial_credit_and_custom_functions(nats_server, bus, pg_url, run
         "fail_to_pass": ["test_calc.TestCalc.test_add", "test_calc.TestCalc.test_mul"],
         "pass_to_pass": [],
     })  # fmt: skip
-    p, run_id = await reward_platform(nats_server, pg_url, run_dir, [task], tmp_path / "suite.jsonl", reward={"function": function})
+    p, run_id = await reward_on(nats_server, pg_url, run_dir, [task], tmp_path / "suite.jsonl", reward={"function": function})
     try:
         pool = EnvPoolClient(bus)
         ref = await pool.create("two-bugs")  # fix add only
@@ -281,7 +276,7 @@ async def test_infra_errors_are_kiln_s_own_failures_only(nats_server, bus, pg_ur
     A task that makes touching its tests cost the reward scores a fix that edits them 0."""
     broken = BASE.model_copy(update={"id": "no-python", "test_command": "python9 -m unittest -v test_calc"})
     strict = BASE.model_copy(update={"id": "strict", "protected_touch": "fail"})
-    p, run_id = await reward_platform(nats_server, pg_url, run_dir, [broken, strict], tmp_path / "s.jsonl")
+    p, run_id = await reward_on(nats_server, pg_url, run_dir, [broken, strict], tmp_path / "s.jsonl")
     try:
         fix_and_touch = FIX.model_copy(update={"changed": {**FIX.changed, "test_calc.py": BASE.test_files["test_calc.py"] + "# x\n"}})
         cases = [

@@ -19,11 +19,10 @@ import pytest
 
 from kiln.envpool import overlay
 from kiln.shared import contracts as c
-from kiln.shared.db import Database, Run
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
 
-from harness import InProcessPlatform, experiment, write_suite
+from harness import reward_platform, write_suite
 from test_reward import scored_messages, trajectory
 
 pytestmark = pytest.mark.skipif(overlay.supported() is not None, reason=str(overlay.supported()))
@@ -224,15 +223,7 @@ async def _apply(pool: EnvPoolClient, ref: c.SandboxRef, kind: Kind, steps: list
 async def test_every_attack_scores_zero_and_the_real_fix_one(nats_server, bus, pg_url, run_dir, suite, env_root, kind_name):
     kind = KINDS[kind_name]
     envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root), "workspace_quota_bytes": 16 * MiB}
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, pg_url, envpool=envpool, tasks={"suite": str(suite)},
-                                     reward={"concurrency": 2}))  # fmt: skip
-    run_id = p.config("reward").run.id
-    db = Database(pg_url)
-    async with db.session() as s:
-        s.add(Run(id=run_id, name="attacks"))
-    await db.close()
-    await p.start("env-pool", instance="env-attacks")
-    await p.start("reward")
+    p, run_id = await reward_platform(run_dir, nats_server.url, pg_url, suite, envpool=envpool, reward={"concurrency": 2})
     try:
         pool = EnvPoolClient(bus)
         attacks = [a for a in ATTACKS if kind_name in a.kinds]
