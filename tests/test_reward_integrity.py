@@ -158,3 +158,13 @@ def test_protected_paths():
     # pyproject's pytest section changed (reverted); setup.cfg's metadata only (kept)
     revert_config_changes(room, {"pyproject.toml": "[project]\nname='calc'\n", "setup.cfg": "[metadata]\nname = calc\n"})
     assert "pyproject.toml" in room.protected and "pyproject.toml" not in room.changed and "setup.cfg" in room.changed
+
+
+def test_deletions_go_in_commands_of_bounded_length():
+    from kiln.reward.cleanroom import DELETE_BATCH_CHARS, _batches
+
+    words = [f"dir/file_{i:05d}.py" for i in range(20000)]  # an agent that deleted a big folder
+    batches = _batches(words)
+    assert [w for b in batches for w in b] == words and len(batches) > 1
+    assert all(sum(len(w) + 1 for w in b) <= DELETE_BATCH_CHARS for b in batches)
+    assert _batches([]) == []

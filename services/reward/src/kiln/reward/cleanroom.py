@@ -49,6 +49,22 @@ ROOM_TTL_GRACE_S = 120.0
 """A clean room's lease beyond its test timeout (the lease reaper's backstop)."""
 
 
+DELETE_BATCH_CHARS = 64 * 1024
+
+
+def _batches(words: list[str]) -> list[list[str]]:
+    """``words`` in runs of at most ``DELETE_BATCH_CHARS`` characters (one command each)."""
+    out: list[list[str]] = []
+    size = DELETE_BATCH_CHARS
+    for w in words:
+        if size + len(w) + 1 > DELETE_BATCH_CHARS:
+            out.append([])
+            size = 0
+        out[-1].append(w)
+        size += len(w) + 1
+    return out
+
+
 class InfraError(Exception):
     """kiln's machinery could not score the trajectory (the message says what failed)."""
 
@@ -171,8 +187,8 @@ class CleanRoom:
         size = sum(len(t.encode()) for t in room.changed.values())
         if size > self.max_change_bytes:
             return f"the changes hold {size} bytes of text, more than the {self.max_change_bytes} a clean room takes"
-        if room.deleted:
-            res = await self.envpool.exec(ref, "rm -rf -- " + " ".join(shlex.quote(p) for p in room.deleted), 60)
+        for batch in _batches([shlex.quote(p) for p in room.deleted]):  # a command line has a size limit
+            res = await self.envpool.exec(ref, "rm -rf -- " + " ".join(batch), 60)
             if res.exit_code != 0:
                 return f"could not delete {', '.join(room.deleted[:5])}: {(res.stderr or res.stdout)[-300:]}"
         calls = [c.ToolCall(id=f"apply-{i}", name="write_file", arguments={"path": p, "content": t})
