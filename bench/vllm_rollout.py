@@ -93,6 +93,7 @@ async def service(folder: Path, run_dir: Path, args) -> tuple[int, float]:
     exp = run_dir / "experiment.toml"
     exp.write_text(render_toml({
         "run": {"id": run_id, "dir": str(run_dir)},
+        "weights": {"staging_dir": str(folder.parent)},  # where this bench stages its policy
         "nats": {"url": nats.url},
         "database": {"url": db_url},
         "telemetry": {"log_format": "text"},

@@ -100,7 +100,7 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
     exp.write_text(render_toml({
         "run": {"id": run}, "nats": {"url": nats.url}, "database": {"url": db_url},
         "telemetry": {"log_format": "text", "log_level": "WARNING"},
-        "weights": {"store_dir": str(store), "delta": delta, "http_port": -1},
+        "weights": {"store_dir": str(store), "staging_dir": str(tmp), "delta": delta, "http_port": -1},
     }))  # fmt: skip
     bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
     await bus.ensure_topology()

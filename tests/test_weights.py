@@ -41,7 +41,8 @@ def checkpoints(tmp_path, n: int, change: float = 1.0, seed: int = 0):
             for i in torch.randperm(len(params), generator=g)[:k].tolist():
                 with torch.no_grad():
                     params[i].add_(torch.randn(params[i].shape, generator=g) * 1e-3)
-        out.append(save_checkpoint(model, tmp_path / "staging" / f"v{v}", tokenizer))
+        # the run folder's staging (the ``run_dir`` fixture): the only one the weights service takes
+        out.append(save_checkpoint(model, tmp_path / "run" / "staging" / f"v{v}", tokenizer))
     return out
 
 
@@ -327,5 +328,39 @@ async def test_rollout_worker_down_for_three_versions_catches_up(nats_server, bu
             f.sha256 for f in c.WeightsManifest.model_validate_json((run_dir / "weights" / run_id / "v000004" / "manifest.json").read_text()).files
             if f.path == "model.safetensors"
         )  # fmt: skip
+    finally:
+        await p.stop_all()
+
+
+async def test_a_checkpoint_from_outside_the_staging_folder_is_refused(nats_server, bus, pg_url, run_dir, tmp_path):
+    """No message makes the store read or link a path of its choosing: a folder outside the
+    staging area, or a staged folder holding a link out of it, goes to the dead-letter
+    stream with its reason; nothing is published."""
+    p = InProcessPlatform(experiment(run_dir, nats_server.url, pg_url))
+    run_id = p.config("weights").run.id
+    db = Database(pg_url)
+    async with db.session() as s:
+        s.add(Run(id=run_id, name="t"))
+    await db.close()
+    (good,) = checkpoints(tmp_path, 1)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    linking = run_dir / "staging" / "linking"
+    linking.mkdir(parents=True)
+    (linking / "config.json").write_text("{}")
+    (linking / "model.safetensors").symlink_to("/etc/passwd")
+    dlq = await bus.js.subscribe(c.dead_letter_subject(c.WEIGHTS_CHECKPOINT))
+    await p.start("weights")
+    try:
+        for v, folder in enumerate([outside, run_dir / "staging" / ".." / ".." / "elsewhere", linking]):
+            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=v, step=v, parent_version=None, path=str(folder)))
+        reasons = [(await dlq.next_msg(timeout=30)).headers[c.HDR_DLQ_REASON] for _ in range(3)]
+        assert sum("is not inside the staging folder" in r for r in reasons) == 2, reasons
+        assert any("model.safetensors, which is not a plain file" in r for r in reasons), reasons
+        # the real staging folder still works
+        await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(good)))
+        await wait_for(lambda: (run_dir / "weights" / run_id / "v000000" / "manifest.json").exists(), 60, 0.1, "v0 stored")
+        assert not (run_dir / "weights" / run_id / "v000002").exists()
     finally:
         await p.stop_all()

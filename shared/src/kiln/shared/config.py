@@ -270,6 +270,10 @@ class WeightsSettings(Section):
 
     store_dir: str = ""
     """Root of the version store; empty = ``<run.dir>/weights``."""
+    staging_dir: str = ""
+    """The only folder checkpoints are taken from (the learner's ``learner.staging_dir``);
+    empty = ``<run.dir>/staging``. A checkpoint naming any other path, or holding a link or
+    anything but plain files, is refused to the dead-letter stream."""
     delta: bool = False
     """Store each version as a delta against the previous one (only the changed bytes,
     compressed), with a full version every ``keyframe_every``."""

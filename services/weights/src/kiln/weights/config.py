@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from kiln.shared.config import DatabaseSettings, ServiceConfig, WeightsSettings
@@ -21,3 +23,27 @@ def store_dir(cfg: ServiceConfig, configured: str) -> str:
     if not cfg.run.dir:
         raise ValueError("weights.store_dir is empty and run.dir is unset: set one of them")
     return f"{cfg.run.dir}/weights"
+
+
+def staging_dir(cfg: ServiceConfig, configured: str) -> Path:
+    """Where checkpoints may come from (``weights.staging_dir``, else ``<run.dir>/staging``)."""
+    if configured:
+        return Path(configured).resolve()
+    if not cfg.run.dir:
+        raise ValueError("weights.staging_dir is empty and run.dir is unset: set one of them")
+    return (Path(cfg.run.dir) / "staging").resolve()
+
+
+def confined(src: Path, staging: Path) -> str | None:
+    """Why the checkpoint folder ``src`` may not be taken (None: it may): it must be a folder
+    inside ``staging`` (links resolved) holding plain files and folders only, so that no
+    message can make the store read or link anything else on this machine."""
+    real = src.resolve()
+    if real == staging or staging not in real.parents:
+        return f"checkpoint folder {src} is not inside the staging folder {staging}"
+    if src.is_symlink() or not real.is_dir():
+        return f"checkpoint folder {src} is not a folder"
+    for p in real.rglob("*"):
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            return f"checkpoint folder {src} holds {p.relative_to(real)}, which is not a plain file"
+    return None

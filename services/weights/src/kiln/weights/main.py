@@ -29,7 +29,7 @@ from kiln.shared.service import ServiceContext, service_main
 from kiln.shared.weights.manifest import IntegrityError
 
 from kiln.weights.api import build_app
-from kiln.weights.config import WeightsConfig, store_dir
+from kiln.weights.config import WeightsConfig, confined, staging_dir, store_dir
 from kiln.weights.store import VersionStore
 
 log = logging.getLogger("kiln.weights")
@@ -46,8 +46,12 @@ async def serve(ctx: ServiceContext) -> None:
     public_url = w.public_url or url
     broadcaster = Broadcaster(w) if w.broadcast_init_method else None
 
+    staging = staging_dir(cfg, w.staging_dir)
+
     async def on_checkpoint(ck: c.PolicyCheckpoint, delivery: Delivery) -> None:
         src = Path(ck.path)
+        if why := await asyncio.to_thread(confined, src, staging):
+            raise Reject(why)
         if not (src / "config.json").is_file():
             raise Reject(f"checkpoint folder {src} has no config.json")
         t0 = time.monotonic()
