@@ -149,13 +149,19 @@ class Bus:
         async def on_reconnect():
             log.info("reconnected to NATS")
 
+        refused: list[str] = []
+
         async def on_error(e):
+            if isinstance(e, nats.errors.Error) and "authorization" in str(e).lower():
+                refused.append(str(e))
             log.debug("NATS client error: %s", e)
 
         deadline = time.monotonic() + settings.connect_timeout_s
         while True:
+            nc = nats.NATS()
             try:
-                nc = await nats.connect(
+                # A server that refuses the credential makes the client retry forever: bounded here.
+                await asyncio.wait_for(nc.connect(
                     servers=settings.url.split(","),
                     name=service,
                     connect_timeout=min(2.0, settings.connect_timeout_s),
@@ -165,11 +171,14 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
-                )
+                    **({"user": settings.user, "password": settings.password} if settings.user else {}),
+                ), max(0.5, deadline - time.monotonic()) + 2.0)  # fmt: skip
                 break
-            except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError) as e:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {settings.url}: {e}") from e
+            except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
+                if refused or time.monotonic() > deadline:
+                    await nc.close()
+                    why = f"the server refused the credential ({refused[-1]})" if refused else str(e) or type(e).__name__
+                    raise ConnectionError(f"cannot connect to NATS at {settings.url} as {settings.user or 'no user'}: {why}") from e
                 await asyncio.sleep(0.2)
         return cls(nc, settings, service, tracer)
 

@@ -47,6 +47,10 @@ class RunSettings(Section):
 class NatsSettings(Section):
     url: str = "nats://127.0.0.1:4222"
     """NATS server URL (comma-separated for a cluster)."""
+    user: str = ""
+    """This service's NATS user (an authenticated bus: ``kiln.shared.busauth``); empty: none."""
+    password: str = ""
+    """Its password (give it as ``KILN_NATS__PASSWORD``, never in a shared file)."""
     connect_timeout_s: float = 5.0
     """Give up connecting after this long at start-up (reconnects afterwards are unlimited)."""
     request_timeout_s: float = 30.0
@@ -326,6 +330,10 @@ class LocalSettings(Section):
     """Serve the web dashboard (``kiln.shared.dashboard``) on 127.0.0.1 while the run is live."""
     dashboard_port: int = 0
     """Its port; 0 takes a free one (the URL is printed at start)."""
+    authenticated_bus: bool = True
+    """Start the embedded nats-server with a credential per service and subject
+    permissions (``kiln.shared.busauth``): only the learner publishes checkpoints and
+    dispatches work, only rollout and reward drive sandboxes, no client connects without one."""
     max_restarts: int = Field(default=5, ge=0)
     """A service that exits more often than this within ``restart_window_s`` crash-loops:
     the run fails with its log's tail. Below it, each exit is followed by a restart."""

@@ -57,10 +57,13 @@ def nats_server_binary() -> str:
 class NatsServer:
     """``nats-server -js`` on 127.0.0.1 with its store in ``store_dir``."""
 
-    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, log_file: str | None = None):
+    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, log_file: str | None = None,
+                 config_file: str | os.PathLike | None = None):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = log_file
+        self.config_file = config_file
+        """A nats-server configuration to load first (the ``authorization`` of an authenticated bus)."""
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -71,7 +74,8 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
+            [nats_server_binary(), *(["-c", str(self.config_file)] if self.config_file else []),
+             "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -103,6 +103,8 @@ class LocalPlatform:
         self.steps: list[c.StepMetrics] = []
         self.restarts = 0
         """Service restarts during the run (printed in the summary)."""
+        self.creds = None
+        """The bus's credentials (``kiln.shared.busauth``), when it is authenticated."""
 
     def _prepare(self) -> tuple[Path, LauncherConfig]:
         exp = self.experiment
@@ -126,9 +128,19 @@ class LocalPlatform:
         from kiln.shared.db import upgrade
 
         if cfg.local.embedded_nats:
-            self.nats = NatsServer(self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log")).start()
+            conf = None
+            if cfg.local.authenticated_bus:
+                from kiln.shared.busauth import Credentials, server_config
+
+                self.creds = Credentials.generate(list(self.services))
+                conf = self.run_dir / "nats" / "auth.conf"
+                conf.parent.mkdir(parents=True, exist_ok=True)
+                conf.write_text(server_config(self.creds))
+                conf.chmod(0o600)
+            self.nats = NatsServer(self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log"),
+                                   config_file=conf).start()  # fmt: skip
             self.experiment.setdefault("nats", {})["url"] = self.nats.url
-            _say(f"nats-server with JetStream on {self.nats.url}")
+            _say(f"nats-server with JetStream on {self.nats.url}" + (", a credential per service" if conf else ""))
         db = self.experiment.setdefault("database", {})
         if not db.get("url"):
             if cfg.database.embedded == "postgres" and postgres_bindir() is not None:
@@ -150,8 +162,10 @@ class LocalPlatform:
         plan = [(name, info, f"{name}-{i}", []) for name, info in self.services.items() for i in range(cfg.local.replicas.get(name, 1))]
         if cfg.eval.every > 0 and "rollout" in self.services:
             plan.append(("rollout", self.services["rollout"], "rollout-eval-0", ["--set", "rollout.role=eval"]))
-        for _name, info, label, extra in plan:
+        for name, info, label, extra in plan:
             log = self.run_dir / "logs" / f"{label}.log"
+            if self.creds is not None:  # its own credential, in its environment only
+                env = {**env, "KILN_NATS__USER": name, "KILN_NATS__PASSWORD": self.creds.users[name]}
             argv = [*info.argv(load_config(info.config_class(), self.config_file)), "--config", str(self.config_file), "--instance", label, *extra]
             self.children.append(Child(label, info, spawn(argv, env, log), log, argv, env))
         _say("services: " + ", ".join(ch.name for ch in self.children) + f" (logs in {self.run_dir / 'logs'})")
@@ -270,6 +284,10 @@ class LocalPlatform:
         try:
             self._start_infra(cfg)
             cfg = load_config(LauncherConfig, self.config_file)
+            if self.creds is not None:
+                from kiln.shared.busauth import ADMIN
+
+                cfg.nats.user, cfg.nats.password = ADMIN, self.creds.users[ADMIN]
             bus = await Bus.connect(cfg.nats, "launcher")
             await bus.ensure_topology()
             await self._watch(bus, cfg.run.id, cfg.algorithm.steps)
