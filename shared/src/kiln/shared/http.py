@@ -46,9 +46,12 @@ def bearer_auth(token: str) -> Callable[[Request], None]:
     return check
 
 
-async def serve_http(app: FastAPI, host: str, port: int, token: str, stop: asyncio.Event) -> tuple[str, asyncio.Task]:
-    """Start serving ``app`` until ``stop``; returns the URL and the server task."""
-    if not is_loopback(host) and not token:
+async def serve_http(app: FastAPI, host: str, port: int, token: str, stop: asyncio.Event, *,
+                     authenticates_itself: bool = False) -> tuple[str, asyncio.Task]:
+    """Start serving ``app`` until ``stop``; returns the URL and the server task.
+    ``authenticates_itself``: every route of ``app`` checks a credential of its own (the
+    rollout endpoint's per-episode keys), so a wider bind needs no shared token."""
+    if not is_loopback(host) and not token and not authenticates_itself:
         raise ValueError(f"HTTP API on {host!r} listens beyond loopback: configure a token")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

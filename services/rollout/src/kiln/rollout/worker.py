@@ -90,8 +90,7 @@ class RolloutWorker:
 
         h = self.cfg.rollout.harness
         self.endpoint = Endpoint(self.cfg.run.name or "kiln-policy", self.envpool)
-        # Each episode authenticates with its own key; the token check guards the wider bind.
-        self.endpoint_url, _ = await serve_http(self.endpoint.app, h.host, h.port, "" if h.host in ("127.0.0.1", "localhost", "::1") else "episode-keys", self.ctx.stop)
+        self.endpoint_url, _ = await serve_http(self.endpoint.app, h.host, h.port, "", self.ctx.stop, authenticates_itself=True)
         self.ctx.health_detail["endpoint"] = self.endpoint_url
         log.info("OpenAI-compatible endpoint for %s harnesses at %s/v1", h.kind, self.endpoint_url)
         return self.endpoint_url

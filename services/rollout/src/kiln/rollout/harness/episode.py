@@ -68,7 +68,6 @@ class Completion:
     versions: list[int]
     stopped: bool
     """Ended by the stop token (which ``ids`` include)."""
-    call: int
     appended: bool = False
 
 
@@ -287,7 +286,7 @@ class Episode:
                 finish = "length"
                 break
             await self.wait_resume()  # a new version is coming: continue under it, same call
-        return Completion(ids, logprobs, versions, stopped=finish == "stop", call=len(self.calls)), finish
+        return Completion(ids, logprobs, versions, stopped=finish == "stop"), finish
 
     def transcript(self) -> list[c.ChatMessage]:
         """The conversation as the harness last sent it, then the completion it got (for people)."""

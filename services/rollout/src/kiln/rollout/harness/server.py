@@ -137,7 +137,7 @@ class Endpoint:
                                                    temperature=req.temperature)  # fmt: skip
             except EpisodeError as e:
                 return _error(e.status, str(e), e.code)
-            body = self._response(choices, req, len(b.episode.calls[-1].prompt_ids))
+            body = self._response(choices, len(b.episode.calls[-1].prompt_ids))
             if not req.stream:
                 return body
             return StreamingResponse(self._chunks(body), media_type="text/event-stream")
@@ -173,7 +173,7 @@ class Endpoint:
         except RemoteError as e:
             return _error(502, f"the sandbox could not run it: {e}", e.code, "server_error")
 
-    def _response(self, choices, req: ChatRequest, prompt_tokens: int) -> dict:
+    def _response(self, choices, prompt_tokens: int) -> dict:
         out = []
         for i, (comp, prose, calls, finish) in enumerate(choices):
             tool_calls = [
