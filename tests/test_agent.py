@@ -250,3 +250,81 @@ async def test_sandbox_lease_runs_to_the_group_deadline_plus_the_scoring_buffer(
     # Leased until reward has had its buffer after the deadline: not a fixed TTL.
     assert lease["state"] == "leased" and abs(lease["expires_at"] - (deadline + 120)) < 5, (lease, deadline)
     await envpool.destroy(t.sandbox)
+
+
+class SpelledEngine(ScriptedEngine):
+    """Writes each turn one character per token: the same text as ``ScriptedEngine``, but
+    not the ids that encoding the text gives, so a turn re-encoded from its text would
+    not be the tokens the model generated."""
+
+    def __init__(self, turns, suspend: asyncio.Event | None = None, suspend_after: int | None = None, version: int = 7):
+        super().__init__(turns, version)
+        self.suspend, self.suspend_after, self.calls = suspend, suspend_after, 0
+
+    async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
+        self.prompts.append(list(prompt_ids))
+        text = self.turns.pop(0)
+        body = text.removesuffix(chat.EOS)
+        ids = [i for ch in body for i in TOK.encode(ch, add_special_tokens=False).ids]
+        ids += TOK.encode(chat.EOS, add_special_tokens=False).ids if text.endswith(chat.EOS) else []
+        assert ids != TOK.encode(text, add_special_tokens=False).ids
+        self.calls += 1
+        if self.calls == self.suspend_after:  # the abort arrives while this turn's tools run
+            self.suspend.set()
+        return Generation(ids, [-0.1 * self.calls] * len(ids), self.version, "stop")
+
+
+async def test_suspended_between_turns_resumes_token_for_token_elsewhere(envpool):
+    """A sample suspended between turns travels as a message and continues in a fresh
+    loop (another worker): the tokens the model generated are written as generated, not
+    re-encoded from their text (the kept completions travel with it), so the trajectory
+    is one segment and equals the one an uninterrupted run produces."""
+    turns = ["Reading." + tool_call("read_file", path="calc.py") + chat.EOS,
+             tool_call("list_dir") + chat.EOS, "Done." + chat.EOS]  # fmt: skip
+    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
+    whole = await run_episode(spec, SpelledEngine(list(turns)), TOK, envpool, RolloutSettings(), trace.get_tracer("t"))
+    assert whole.status == c.TrajectoryStatus.FINISHED and whole.num_turns == 3 and not whole.segments
+
+    suspend = asyncio.Event()
+    engine = SpelledEngine(list(turns), suspend, suspend_after=2)
+    partial = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend)
+    assert isinstance(partial, c.PartialSample) and partial.num_turns == 2 and partial.turn_tokens == 0
+    assert partial.episode is not None and partial.episode.open_call is not None
+    assert [k.at is not None for k in partial.episode.completions] == [True, True]
+    partial = c.PartialSample.from_bytes(partial.to_bytes())
+    suspend.clear()
+    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 3 and not t.segments
+    assert (t.token_ids, t.loss_mask, t.logprobs) == (whole.token_ids, whole.loss_mask, whole.logprobs)
+    assert [m.content for m in t.messages] == [m.content for m in whole.messages]
+    await envpool.destroy(whole.sandbox)
+    await envpool.destroy(t.sandbox)
+
+    # Suspended by a worker from before episodes travelled: no kept completions, so its
+    # next call cannot be stitched token for token: a new segment, with the reason.
+    suspend = asyncio.Event()
+    engine = SpelledEngine(list(turns), suspend, suspend_after=1)
+    old = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend)
+    old = old.model_copy(update={"episode": None})
+    suspend.clear()
+    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=old)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 3
+    (seg,) = t.segments
+    assert "does not extend" in seg.reason and seg.start > len(old.token_ids)
+    assert sum(t.loss_mask) == sum(whole.loss_mask)  # every generated token trained once
+    await envpool.destroy(t.sandbox)
+
+
+async def test_the_loop_speaks_the_configured_tool_format(envpool):
+    """kiln's own loop writes and reads the served model's tool-call syntax
+    (``rollout.harness.tool_format``), here Qwen3-Coder's XML."""
+    from kiln.rollout.config import HarnessSettings
+    from kiln.shared.toolformats import tool_format
+
+    call = tool_format("qwen3_coder").render([("read_file", {"path": "calc.py"})])
+    engine = ScriptedEngine(["Reading.\n" + call + chat.EOS, "Done." + chat.EOS])
+    t = await episode(engine, envpool, harness=HarnessSettings(tool_format="qwen3_coder"))
+    assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "no_tool_call" and t.malformed_tool_calls == 0
+    assert "<function=example_function_name>" in TOK.decode(engine.prompts[0], skip_special_tokens=False)
+    assert t.messages[2].tool_calls[0].name == "read_file" and t.messages[3].content == TASK.files["calc.py"]
+    await envpool.destroy(t.sandbox)

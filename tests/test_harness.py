@@ -26,7 +26,7 @@ from kiln.shared.toolformats import FORMATS, tool_format
 from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation
-from kiln.rollout.harness.episode import Budget, Episode
+from kiln.rollout.episode import Budget, Episode
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
 
@@ -276,3 +276,33 @@ async def test_a_failing_harness_ends_with_its_reason_and_no_sandbox(envpool, bu
     assert log in t.harness_log
     stats = await envpool.stats((await envpool.bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id=TASK.id), c.SandboxCreated)).sandbox.node_id)
     assert stats.leased == 1  # only the one just created to ask: the harness's is gone
+
+
+async def test_a_repeated_answer_is_written_as_each_of_its_own_tokens():
+    """The same answer twice, generated as different tokens (the second spelled one
+    character per token): each repeat in the history is written as the tokens of its own
+    generation, in order, so the history extends and nothing is trained twice."""
+    from test_agent import SpelledEngine
+
+    class Twice(SpelledEngine):
+        async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
+            if self.calls == 0:
+                self.calls += 1
+                self.prompts.append(list(prompt_ids))
+                ids = TOK.encode(self.turns.pop(0), add_special_tokens=False).ids
+                return Generation(ids, [-0.5] * len(ids), self.version, "stop")
+            return await super().generate(prompt_ids, max_new_tokens, stop_ids, temperature, seed)
+
+    engine = Twice(["I checked it." + chat.EOS] * 2 + ["Thanks, all done here." + chat.EOS])
+    e = Episode("e", engine, TOK, tool_format("hermes"), Budget(10_000, 10, time.time() + 600, 64), seed=1, temperature=1.0,
+                wait_resume=None)  # fmt: skip
+    msgs = [{"role": "user", "content": "check it"}]
+    for follow in ("again", "once more"):
+        (ch,) = (await e.complete(msgs, [])).choices
+        msgs += [{"role": "assistant", "content": ch.prose}, {"role": "user", "content": follow}]
+    first, second = (rec.choices[0].completion for rec in e.calls)
+    assert first.ids != second.ids and TOK.decode(first.ids) == TOK.decode(second.ids)
+    await e.complete(msgs, [])
+    e.finish()
+    assert not e.segments and all(rec.extended for rec in e.calls[1:])
+    assert [t for t, m in zip(e.seq.ids, e.seq.mask) if m] == first.ids + second.ids + e.calls[2].choices[0].completion.ids

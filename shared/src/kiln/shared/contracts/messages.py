@@ -191,6 +191,48 @@ class Trajectory(Message):
         return [v for v, m in zip(self.token_versions, self.loss_mask) if m]
 
 
+class KeptCompletion(Message):
+    """A completion an episode generated, kept to write its exact tokens wherever a later
+    call's messages repeat it (``kiln.rollout.episode``)."""
+
+    key: str
+    """What identifies it in a request's messages: its prose and its calls."""
+    stopped: bool
+    """Ended by the stop token (which its tokens include)."""
+    at: int | None = None
+    """Offset of its generated tokens in the sample's ``token_ids``; None: not part of the
+    trajectory yet, its tokens are the fields below."""
+    length: int
+    ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    versions: list[int] = Field(default_factory=list)
+
+
+class OpenCall(Message):
+    """A call whose prompt is in the trajectory and whose generation is not finished (its
+    tokens so far are the sample's last ``turn_tokens``)."""
+
+    prompt_start: int
+    """Where its prompt begins in ``token_ids`` (the start of its segment)."""
+    extended: bool
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+
+class EpisodeState(Message):
+    """What an episode (``kiln.rollout.episode.Episode``) needs, beyond the token arrays,
+    to continue on another worker exactly where it stopped."""
+
+    segments: list[Segment] = Field(default_factory=list)
+    calls: int = 0
+    """Calls finished."""
+    generated_tokens: int = 0
+    malformed: int = 0
+    """Tool calls that did not parse."""
+    completions: list[KeptCompletion] = Field(default_factory=list)
+    open_call: OpenCall | None = None
+
+
 class PartialSample(Message):
     """A sample suspended mid-episode (APRIL): everything needed to continue it on any
     worker. Token arrays are parallel as in ``Trajectory``; ``turn_tokens`` generated
@@ -211,6 +253,10 @@ class PartialSample(Message):
     an infrastructure error)."""
     started_at: float
     worker_id: str = ""
+    episode: EpisodeState | None = None
+    """The episode's own state (segments, kept completions, the open call); None in a
+    sample suspended by a worker from before it existed: it resumes with no kept
+    completions, so its next call opens a new segment."""
 
     def oldest_version(self) -> int | None:
         gen = [v for v, m in zip(self.token_versions, self.loss_mask) if m]

@@ -39,7 +39,7 @@ from kiln.shared.toolformats import tool_format
 from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import InferenceEngine
-from kiln.rollout.harness.episode import Budget, Episode
+from kiln.rollout.episode import Budget, Episode
 from kiln.rollout.harness.server import Endpoint
 
 LOG_TAIL = 4000

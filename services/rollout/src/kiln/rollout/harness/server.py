@@ -6,7 +6,7 @@ Routes (every one needs ``Authorization: Bearer <episode key>``):
   hides the tools from the prompt; any other value leaves the choice to the model),
   ``temperature``, ``top_p`` (1 only: kiln trains on the distribution it samples from),
   ``max_tokens``/``max_completion_tokens``, ``n``, ``stream``; answered by the episode
-  (``episode.py``), tool calls in ``tool_calls``;
+  (``kiln.rollout.episode``), tool calls in ``tool_calls``;
 - ``POST /kiln/v1/exec`` and ``POST /kiln/v1/tools``: the exec bridge, a command or
   kiln tool calls in the episode's own sandbox (``kiln-exec`` is its CLI).
 
@@ -35,7 +35,7 @@ from kiln.shared import contracts as c
 from kiln.shared.bus import RemoteError
 from kiln.shared.envpool_client import EnvPoolClient
 
-from kiln.rollout.harness.episode import Episode, EpisodeError
+from kiln.rollout.episode import Choice, Episode, EpisodeError
 
 
 class ChatRequest(BaseModel):
@@ -133,11 +133,11 @@ class Endpoint:
                 return _error(400, "top_p must be 1: kiln trains on the exact distribution it samples from", "unsupported_parameter", param="top_p")
             tools = [] if req.tool_choice == "none" else req.tools
             try:
-                choices = await b.episode.complete(req.messages, tools, n=req.n, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                                   temperature=req.temperature)  # fmt: skip
+                call = await b.episode.complete(req.messages, tools, n=req.n, max_tokens=req.max_completion_tokens or req.max_tokens,
+                                                temperature=req.temperature)  # fmt: skip
             except EpisodeError as e:
                 return _error(e.status, str(e), e.code)
-            body = self._response(choices, len(b.episode.calls[-1].prompt_ids))
+            body = self._response(call.choices, len(call.prompt_ids))
             if not req.stream:
                 return body
             return StreamingResponse(self._chunks(body), media_type="text/event-stream")
@@ -173,18 +173,18 @@ class Endpoint:
         except RemoteError as e:
             return _error(502, f"the sandbox could not run it: {e}", e.code, "server_error")
 
-    def _response(self, choices, prompt_tokens: int) -> dict:
+    def _response(self, choices: list[Choice], prompt_tokens: int) -> dict:
         out = []
-        for i, (comp, prose, calls, finish) in enumerate(choices):
+        for i, ch in enumerate(choices):
             tool_calls = [
                 {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": json.dumps(p.arguments, ensure_ascii=False)}}
-                for p in calls if not p.error
+                for p in ch.calls if not p.error
             ]  # fmt: skip
-            message: dict[str, Any] = {"role": "assistant", "content": prose or (None if tool_calls else "")}
+            message: dict[str, Any] = {"role": "assistant", "content": ch.prose or (None if tool_calls else "")}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            out.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
-        generated = sum(len(ch[0].ids) for ch in choices)
+            out.append({"index": i, "message": message, "finish_reason": ch.finish, "logprobs": None})
+        generated = sum(len(ch.completion.ids) for ch in choices)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
