@@ -1,6 +1,7 @@
 """The ``kiln`` command.
 
     kiln run [--config FILE] [--set section.key=value ...]   the whole platform locally
+    kiln chaos [--config FILE] [--seed N] [--kills N] [--targets ...] [--baseline]   kill processes of a run, check its invariants
     kiln config show [--service NAME] [--config FILE] [--set ...]
     kiln config docs                                         configuration reference (markdown)
     kiln db upgrade [--url URL]                              apply migrations
@@ -34,6 +35,12 @@ def cmd_run(a) -> int:
     from kiln.shared.launcher import run_local
 
     return run_local(a.config, a.overrides)
+
+
+def cmd_chaos(a) -> int:
+    from kiln.shared.chaos.monkey import main as chaos_main
+
+    return chaos_main(a.args)
 
 
 def cmd_config_show(a) -> int:
@@ -296,11 +303,17 @@ def cmd_env_build(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chaos"]:  # its own parser (kiln.shared.chaos.monkey), options and all
+        sys.exit(cmd_chaos(argparse.Namespace(args=argv[1:])))
     p = argparse.ArgumentParser(prog="kiln", description="kiln: asynchronous RL for coding agents")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the whole platform locally (embedded NATS and database)")
     _config_args(r)
     r.set_defaults(fn=cmd_run)
+    ch = sub.add_parser("chaos", add_help=False, help="a local run with processes SIGKILLed at random moments, then its invariants checked")
+    ch.add_argument("args", nargs=argparse.REMAINDER, help="see `kiln chaos --help`")
+    ch.set_defaults(fn=cmd_chaos)
     cfg = sub.add_parser("config", help="inspect configuration").add_subparsers(dest="action", required=True)
     show = cfg.add_parser("show", help="print the resolved configuration of each service")
     show.add_argument("--service")
