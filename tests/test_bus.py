@@ -250,3 +250,46 @@ async def test_consumer_survives_a_nats_restart(nats_server, bus):
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_dead_letters_of_what_the_fuzz_found(bus):
+    """Regressions of ``test_fuzz``: a message carrying a server directive (an expected
+    stream), one at the server's size limit, and a forged claim on a watched subject
+    were lost or retried into a vague reason; each now dead-letters at once, as
+    received, with the reason that names its problem."""
+    await bus.js.publish(c.RUN_EVENTS, b"{}", headers={"Nats-Expected-Stream": "KILN_EVENTS", "X": "y"})
+    edge = b"[" + b"0," * ((bus.nc.max_payload - 400) // 2) + b"]"
+    await bus.js.publish(c.RUN_EVENTS, edge)
+    await bus.js.publish(c.RUN_EVENTS, b"", headers={c.HDR_CLAIM: "forged/missing"})
+    claimed = f"{c.RUN_EVENTS}/other"
+    await (await bus._claims()).put(claimed, b'{"schema": 1}')
+    await bus.js.publish(c.RUN_EVENTS, b"", headers={c.HDR_CLAIM: claimed})
+
+    async def ok(msg, d):
+        pass
+
+    await bus.publish(c.RUN_EVENTS, event("good"))
+    seen = await consume_until(bus, ok, 1)
+    assert seen[0][0].detail == "good"
+    dead = await dlq_messages(bus, c.RUN_EVENTS, 4)
+    reasons = [d.headers[c.HDR_DLQ_REASON] for d in dead]
+    assert "invalid RunEvent" in reasons[0] and dead[0].headers["X"] == "y" and "Nats-Expected-Stream" not in dead[0].headers
+    assert "invalid RunEvent" in reasons[1] and dead[1].data == b"" and await bus._body(dead[1]) == edge
+    assert "claim-check body unavailable" in reasons[2] and dead[2].headers[c.HDR_CLAIM] == "forged/missing"
+    assert "invalid RunEvent" in reasons[3] and dead[3].data == b"" and dead[3].headers[c.HDR_CLAIM] == claimed
+
+    # A watcher: the forged claim is dead-lettered instead of raising out of the callback.
+    got = []
+
+    async def on_metrics(m):
+        got.append(m)
+
+    await bus.watch(c.STEP_METRICS, c.StepMetrics, on_metrics, deliver="new")
+    await bus.js.publish(c.STEP_METRICS, b"", headers={c.HDR_CLAIM: "forged/missing"})
+    (dead,) = await dlq_messages(bus, c.STEP_METRICS)
+    assert "claim-check body unavailable" in dead.headers[c.HDR_DLQ_REASON] and not got
+
+    # A request at the size limit gets its error reply (the dead letter used to fail first).
+    await bus.serve("test.svc", c.SandboxCreate, lambda req: None)
+    resp = await bus.nc.request("test.svc", edge, timeout=10)
+    assert resp.headers[c.HDR_ERROR] == "invalid_request" and "invalid SandboxCreate" in resp.data.decode()

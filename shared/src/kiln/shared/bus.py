@@ -290,10 +290,19 @@ class Bus:
         return buf.getvalue()
 
     async def dead_letter(self, subject: str, data: bytes, headers: dict[str, str] | None, reason: str) -> None:
-        hdrs = {k: v for k, v in (headers or {}).items() if k != c.HDR_MSG_ID}
+        """Copy a rejected message, as received, to ``kiln.dlq.<subject>`` with the reason."""
+        # Nats-* headers direct the server (dedupe id, expected stream or sequence): they
+        # were meant for the original publish, and on the copy they could refuse it.
+        hdrs = {k: v for k, v in (headers or {}).items() if not k.lower().startswith("nats-")}
         hdrs[c.HDR_DLQ_REASON] = reason[:2000].replace("\r", " ").replace("\n", " ")
         hdrs[c.HDR_DLQ_SUBJECT] = subject
         hdrs[c.HDR_DLQ_SERVICE] = self.service
+        if len(data) > self.settings.claim_check_bytes:
+            # A body near the server's limit would not fit beside the reason: it goes by
+            # claim-check like any large body (the bus never sends a body with a claim, so
+            # a message that had both loses only its forged reference).
+            hdrs.pop(c.HDR_CLAIM, None)
+            data = await self._claim_if_large(f"dlq/{subject}", data, hdrs)
         await self.js.publish(c.dead_letter_subject(subject), data, headers=hdrs)
         self.dead_letters += 1
         log.warning("dead-lettered a message from %s: %s", subject, reason[:300])
@@ -378,7 +387,8 @@ class Bus:
             try:
                 obj = model.model_validate_json(data)
             except ValidationError as e:
-                await self.dead_letter(m.subject, data, m.headers, f"invalid {model.__name__}: {_short(e)}")
+                # The copy is the message as received (a claim-checked body stays by reference).
+                await self.dead_letter(m.subject, m.data, m.headers, f"invalid {model.__name__}: {_short(e)}")
                 await delivery.term()
                 return
             ctx = extract_context(m.headers)
@@ -451,6 +461,10 @@ class Bus:
         async def cb(m: Msg) -> None:
             try:
                 data = await self._body(m)
+            except Exception as e:  # a claim that expired or never existed: nothing will fix it
+                await self.dead_letter(m.subject, m.data, m.headers, f"claim-check body unavailable: {e}")
+                return
+            try:
                 obj = model.model_validate_json(data)
             except ValidationError as e:
                 await self.dead_letter(m.subject, m.data, m.headers, f"invalid {model.__name__}: {_short(e)}")
