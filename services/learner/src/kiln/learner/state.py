@@ -53,6 +53,9 @@ class Meta:
     trained_groups: list[str] = field(default_factory=list)
     """Groups the step that produced this state trained (stamped trained on resume)."""
     trained_trajectories: list[str] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    """The step's ``StepMetrics`` (JSON): its ``steps`` row, written on resume if the
+    learner died between the commit and writing it."""
     torch_rng: list[int] = field(default_factory=list)
     python_rng: list = field(default_factory=list)
 

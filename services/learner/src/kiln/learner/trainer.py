@@ -70,13 +70,16 @@ class Trainer:
 
     async def resume(self, meta: Meta) -> None:
         """Take up the run from a restored checkpoint: hand its version over again (the
-        weights service stores a version once), and stamp the groups its step trained."""
+        weights service stores a version once), stamp the groups its step trained and
+        write its ``steps`` row (each done at most once, whatever the crash left undone)."""
         self.step = meta.step
         if meta.version == 0:
             await self.publish_initial()
             return
         await self._hand_over(meta.version, parent=meta.version - 1)
         await self.controller.mark_trained(meta.trained_groups, meta.trained_trajectories, meta.version, resumed=True)
+        if meta.metrics:  # its ``steps`` row, in case the learner died before writing it (merged: written once)
+            await self.controller.record_step(c.StepMetrics.model_validate(meta.metrics))
         self.controller.step_recorded(meta.version)
 
     async def _hand_over(self, version: int, parent: int | None, committed=None) -> None:
@@ -228,11 +231,36 @@ class Trainer:
         ):
             stats = await asyncio.to_thread(self.policy.train_step, batch, self.step)
             self.step += 1
+            dropped = self.controller.dropped_since_step  # read before mark_trained starts the next count
+            metrics = c.StepMetrics(
+                run_id=self.cfg.run.id,
+                step=self.step - 1,
+                version=version,
+                groups=len(groups),
+                trajectories=len(used),
+                mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+                pass_rate=sum(passes) / len(passes) if passes else 0.0,
+                loss=stats.loss,
+                infra_errors=infra,
+                dropped_groups=dropped,
+                mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
+                max_staleness=max(staleness, default=0),
+                step_seconds=stats.seconds,
+                wait_seconds=waited,
+                tokens=stats.tokens,
+                elapsed_seconds=time.monotonic() - self.started,
+                generated_tokens=len(generated),
+                off_policy_tokens=sum(v < version - 1 for v in generated),
+                **{k: getattr(stats, k) for k in ("ratio_mean", "clip_frac", "kl", "aux_loss", "grad_norm", "lr")},
+            )
             committed = None
             if self.checkpointer is not None:
+                # The step's metrics ride in its checkpoint: a learner killed after the
+                # commit but before the ``steps`` row is written writes it on resume.
                 meta = Meta(
                     step=self.step, version=version, trained_groups=groups,
                     trained_trajectories=[s.trajectory.trajectory_id for s, _ in used],
+                    metrics=metrics.model_dump(mode="json"),
                 )  # fmt: skip
                 await asyncio.to_thread(self._checkpoint, meta)
                 committed = self.checkpointer.wait  # the DCP files are written while the version is staged
@@ -245,31 +273,9 @@ class Trainer:
                 attributes={"step": self.step - 1, "policy.version": version},
                 start_time=now_ns,
             ).end(end_time=now_ns)
-        dropped = self.controller.dropped_since_step  # read before mark_trained starts the next count
         await self.controller.mark_trained(groups, [s.trajectory.trajectory_id for s, _ in used], version)
         for _, d in used:
             await d.ack()
-        metrics = c.StepMetrics(
-            run_id=self.cfg.run.id,
-            step=self.step - 1,
-            version=version,
-            groups=len(groups),
-            trajectories=len(used),
-            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-            pass_rate=sum(passes) / len(passes) if passes else 0.0,
-            loss=stats.loss,
-            infra_errors=infra,
-            dropped_groups=dropped,
-            mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
-            max_staleness=max(staleness, default=0),
-            step_seconds=stats.seconds,
-            wait_seconds=waited,
-            tokens=stats.tokens,
-            elapsed_seconds=time.monotonic() - self.started,
-            generated_tokens=len(generated),
-            off_policy_tokens=sum(v < version - 1 for v in generated),
-            **{k: getattr(stats, k) for k in ("ratio_mean", "clip_frac", "kl", "aux_loss", "grad_norm", "lr")},
-        )
         await self.controller.record_step(metrics)
         self._export(metrics, staleness)
         await self.ctx.bus.publish(c.STEP_METRICS, metrics)

@@ -292,7 +292,8 @@ def summary(res: Result) -> str:
         f"groups lost: {f.get('lost_groups', '?')} (dispatched {f.get('groups_dispatched', '?')}: {outcomes or 'none'})",
         f"steps recorded: {f.get('steps_recorded', '?')}, policy versions: {f.get('versions', '?')} "
         f"({f.get('versions_verified', '?')} verified by sha256), trajectories scored: {f.get('trajectories_scored', '?')}",
-        f"dead letters: {f.get('dead_letters', '?')} ({f.get('deliberate_dead_letters', '?')} deliberate); "
+        f"dead letters: {f.get('dead_letters', '?')} ({f.get('deliberate_dead_letters', '?')} deliberate, of "
+        f"{f.get('deliberate_messages', '?')} malformed messages published on purpose); "
         f"dropped-log: {f.get('dropped_log', '?')} groups ({f.get('drops_not_in_log', '?')} drops missing from it); "
         f"env-pool processes checked for leftovers: {f.get('envpool_incarnations', '?')}",
     ]
