@@ -267,3 +267,53 @@ def draw(strategy: st.SearchStrategy, n: int) -> list:
 
     collect()
     return out
+
+
+# ---------------------------------------------------------------------------
+# Valid messages with hostile values (they pass validation and reach the handler)
+# ---------------------------------------------------------------------------
+
+hostile_floats = st.floats() | st.sampled_from([0.0, -1.0, 1e-9, 1e308, float("inf"), float("-inf"), float("nan")])
+hostile_ints = st.integers(-(2**63), 2**63) | st.sampled_from([0, -1, 2**31, 2**64])
+hostile_text = junk_text | st.sampled_from(["", ".", "..", "../../etc/passwd", "/", "a" * 5000, "\x00", "*", ">", "kiln.>"])
+
+
+def hostile(model: type[BaseModel], choices: dict[str, st.SearchStrategy] | None = None) -> st.SearchStrategy[dict]:
+    """JSON objects of ``model`` with extreme values (NaN, infinities, huge numbers, path
+    tricks, NULs): the cases validation lets through. ``choices``: per-field strategies
+    (real ids mixed in, so some requests reach a live sandbox)."""
+    choices = choices or {}
+    required, optional = {}, {}
+    for name, f in model.model_fields.items():
+        key = f.alias or name
+        if key == "schema":
+            continue
+        (required if f.is_required() else optional)[key] = choices.get(key, _hostile(f.annotation))
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+def _hostile(tp) -> st.SearchStrategy:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(st.none() if a is type(None) else _hostile(a) for a in args))
+    if origin is list:
+        return st.lists(_hostile(args[0]), max_size=3)
+    if origin is dict:
+        return st.dictionaries(hostile_text, _hostile(args[1]) if args else json_values, max_size=3)
+    if tp is typing.Any:
+        return json_values
+    if isinstance(tp, type):
+        if issubclass(tp, enum.Enum):
+            return st.sampled_from([m.value for m in tp])
+        if issubclass(tp, BaseModel):
+            return hostile(tp)
+        return {str: hostile_text, int: hostile_ints, float: hostile_floats, bool: st.booleans()}[tp]
+    return json_values
+
+
+def encode(d: dict) -> bytes:
+    """JSON as a Python client would send it (NaN and infinities as the bare words
+    Python writes, which pydantic reads)."""
+    return json.dumps(d, ensure_ascii=False).encode()

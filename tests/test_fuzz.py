@@ -22,6 +22,7 @@ same messages. The default tier sends a few dozen per subject; ``slow`` many mor
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections import Counter
@@ -31,6 +32,7 @@ import nats.js.errors
 import psycopg
 import pytest
 import pytest_asyncio
+from hypothesis import strategies as st
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
@@ -41,8 +43,9 @@ from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.evaluation import EvalCollector
 from kiln.shared.launcher import LocalPlatform
 from kiln.shared.tasks import load_suite
+from kiln.shared.tools import TOOLS
 
-from fuzzing import Case, Subscriptions, bus_call_sites, declared_model, draw, malformed
+from fuzzing import Case, Subscriptions, bus_call_sites, declared_model, draw, encode, hostile, hostile_text, malformed
 from harness import InProcessPlatform, experiment, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -161,7 +164,7 @@ async def dead_letters(bus: Bus) -> list:
         while True:
             try:
                 batch = await sub.fetch(200, timeout=1)
-            except nats.errors.TimeoutError:
+            except asyncio.TimeoutError:  # nats-py raises its own subclass or the plain one
                 return out
             for m in batch:
                 await m.ack()
@@ -273,6 +276,90 @@ async def latest_weights(bus: Bus, run_id: str) -> c.WeightsPublished:
     """The newest announcement: a valid one, since versions were published after the fuzz."""
     m = await bus.js.get_last_msg("KILN_WEIGHTS", c.weights_published_subject(run_id))
     return c.WeightsPublished.model_validate_json(m.data)
+
+
+def reply_model(subject: str) -> type[c.Message]:
+    if subject == c.ENVPOOL_CREATE:
+        return c.SandboxCreated
+    if subject.startswith(c.HEALTH_PREFIX + "."):
+        return c.HealthReply
+    return c.ENVPOOL_NODE_MESSAGES[subject.rsplit(".", 1)[1]][1]
+
+
+async def hostile_requests(fleet: Fleet, per_subject: int) -> int:
+    """Valid requests with extreme values (NaN, infinities, path tricks, unknown or live
+    sandboxes) to every request subject: each gets a reply its client can read, or an
+    error that is not an unhandled exception in the handler."""
+    bus = fleet.bus
+    pool = EnvPoolClient(bus)
+    suite = load_suite(fleet.platform.config("learner").tasks.suite)
+    live = [await pool.create(suite.tasks[0].id) for _ in range(2)]
+    ids = st.sampled_from([r.sandbox_id for r in live]) | hostile_text
+    calls = st.lists(st.builds(lambda n, a: {"id": "1", "name": n, "arguments": a}, st.sampled_from(sorted(TOOLS)) | hostile_text,
+                               st.dictionaries(st.sampled_from(["path", "content", "pattern", "command", "query"]) | hostile_text, hostile_text, max_size=3)), max_size=3)  # fmt: skip
+    choices = {"sandbox_id": ids, "task_id": st.sampled_from([t.id for t in suite.tasks[:3]]) | hostile_text, "calls": calls}
+    problems, created = [], []
+    slots = asyncio.Semaphore(16)
+
+    async def one(subject: str, body: bytes) -> None:
+        async with slots:
+            try:
+                resp = await bus.nc.request(subject, body, timeout=60)
+            except nats.errors.TimeoutError:
+                problems.append(f"{subject} {body[:200]!r}: no reply within 60 s")
+                return
+        code = (resp.headers or {}).get(c.HDR_ERROR)
+        if code == "internal":
+            problems.append(f"{subject} {body[:200]!r}: unhandled error: {resp.data[:300]!r}")
+        elif not code:
+            try:
+                reply = reply_model(subject).model_validate_json(await bus._body(resp))
+            except ValueError as e:
+                problems.append(f"{subject} {body[:200]!r}: a reply its client cannot read: {str(e)[:300]}")
+                return
+            if isinstance(reply, c.SandboxCreated):
+                created.append(reply.sandbox)
+
+    jobs = []
+    for subject, subs in fleet.subs.by_subject().items():
+        if subs[0].kind == "serve":
+            for d in draw(hostile(subs[0].model, choices).map(encode), per_subject):
+                jobs.append(one(subject, d))
+    try:
+        await asyncio.gather(*jobs)
+    finally:
+        for ref in [*live, *created]:
+            await pool.destroy(ref)
+    assert not problems, f"{len(problems)} of {len(jobs)} requests:\n" + "\n".join(problems[:20])
+    return len(jobs)
+
+
+@pytest.mark.timeout(300)
+async def test_requests_with_hostile_values_get_an_answer(fleet):
+    t0 = time.monotonic()
+    n = await hostile_requests(fleet, per_subject=20)
+    print(f"hostile requests: {n} in {time.monotonic() - t0:.1f} s")
+
+
+async def test_non_finite_or_negative_durations_are_refused(fleet):
+    """Regression (found by the hostile requests): a NaN lease was never reaped, an
+    infinite one renewed into a reply its client could not read (``expires_at: null``)."""
+    pool = EnvPoolClient(fleet.bus)
+    ref = await pool.create(load_suite(fleet.platform.config("learner").tasks.suite).tasks[0].id)
+    node = functools.partial(c.envpool_node_subject, ref.node_id)
+    try:
+        for subject, body in [
+            (c.ENVPOOL_CREATE, b'{"task_id": "x", "ttl_s": NaN}'),
+            (c.ENVPOOL_CREATE, b'{"task_id": "x", "ttl_s": -5}'),
+            (node("fork"), b'{"sandbox_id": "%s", "ttl_s": Infinity}' % ref.sandbox_id.encode()),
+            (node("renew"), b'{"sandbox_id": "%s", "ttl_s": Infinity}' % ref.sandbox_id.encode()),
+            (node("exec"), b'{"sandbox_id": "%s", "command": "true", "timeout_s": NaN}' % ref.sandbox_id.encode()),
+        ]:
+            resp = await fleet.bus.nc.request(subject, body, timeout=30)
+            assert resp.headers[c.HDR_ERROR] == "invalid_request", (subject, body, resp.data)
+            assert "ttl_s" in resp.data.decode() or "timeout_s" in resp.data.decode(), resp.data
+    finally:
+        await pool.destroy(ref)
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ Part of ``kiln.shared.contracts`` (import them from there).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -17,10 +17,16 @@ ENVIRONMENT_ERROR = "environment_error"
 environment and the step); the controller sets that environment's tasks aside."""
 
 
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A duration a client asks for: finite and not negative. JSON parsers accept ``NaN``
+and ``Infinity``; a NaN lease is never reaped and an infinite one's expiry cannot be
+sent back (JSON has no infinity): both are refused as malformed."""
+
+
 class SandboxCreate(Message):
     task_id: str
     run_id: str = ""
-    ttl_s: float = 900.0
+    ttl_s: Seconds = 900.0
     """Lease length; the node reaps the sandbox after it unless renewed."""
     snapshot_key: str | None = None
     """Start from this snapshot (``SnapshotRef.key``) instead of the task's files."""
@@ -35,7 +41,7 @@ class SandboxCreated(Message):
 class SandboxExec(Message):
     sandbox_id: str
     command: str
-    timeout_s: float = 60.0
+    timeout_s: Seconds = 60.0
 
 
 class ExecResult(Message):
@@ -60,7 +66,7 @@ class SandboxFork(Message):
     """Clone a live sandbox's workspace into a new sandbox on the same node."""
 
     sandbox_id: str
-    ttl_s: float = 900.0
+    ttl_s: Seconds = 900.0
 
 
 class SandboxSnapshot(Message):
@@ -78,7 +84,7 @@ class SnapshotRef(Message):
 
 class SandboxRenew(Message):
     sandbox_id: str
-    ttl_s: float
+    ttl_s: Seconds
 
 
 class SandboxRenewed(Message):
