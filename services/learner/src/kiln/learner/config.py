@@ -50,10 +50,33 @@ class LearnerSettings(Section):
     (a multi-rank world places each rank on its ``LOCAL_RANK`` GPU by itself)."""
     dp_shard: int = Field(default=1, ge=1)
     """FSDP2 shard degree of the learner's world (world = ``dp_shard`` x ``ep`` ranks,
-    started by torchrun from ``kiln run``)."""
+    started by torchrun from ``kiln run``, or by Ray: ``launcher``)."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel degree: experts are split over this many ranks (must divide
     ``model.num_experts``)."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """How a multi-rank learner (``dp_shard`` x ``ep`` > 1) starts its ranks: ``torchrun``
+    on this machine (``kiln run`` starts the learner under it), or ``ray``: the learner
+    process is rank 0 (bus, database, health, metrics stay in it) and ranks 1.. run as
+    actors of the Ray cluster at ``ray_address``, in a placement group
+    (``kiln.learner.launch``). A one-rank learner is one process either way."""
+    ray_address: str = "auto"
+    """The Ray cluster of ``launcher = "ray"``: ``auto`` (``RAY_ADDRESS``, else the cluster
+    this machine's ``ray start`` joined), ``HOST:PORT`` of its head, or ``ray://HOST:10001``
+    (Ray Client, from outside the cluster). Never starts one. A cluster with token auth
+    wants ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` in the learner's environment."""
+    ray_cpus_per_rank: float = Field(default=1.0, gt=0)
+    """CPUs each Ray rank reserves (its placement-group bundle)."""
+    ray_gpus_per_rank: float = Field(default=0.0, ge=0)
+    """GPUs each Ray rank reserves; Ray narrows ``CUDA_VISIBLE_DEVICES`` to them."""
+    ray_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy of the Ray ranks (``PACK``: as few nodes as possible)."""
+    rendezvous_host: str = ""
+    """Where the Ray ranks reach rank 0 (torch.distributed's ``MASTER_ADDR``); empty = this
+    machine's IP address as Ray sees it. Every rank also opens gloo/NCCL connections to
+    every other: the network between the learner and the Ray workers must be open."""
+    rendezvous_port: int = Field(default=0, ge=0, le=65535)
+    """Rank 0's rendezvous port (``MASTER_PORT``) for Ray ranks; 0 = a free one."""
     ep_dispatch: Literal["hp", "mxfp8"] = "hp"
     """Payload of the expert all-to-all: the activations' own precision, or MXFP8 (a
     quarter of fp32's bytes; gradients stay high precision)."""

@@ -8,8 +8,16 @@ bundle per rank, packed or spread over nodes) and sets up the rendezvous itself:
 rank function runs, so the function is the same one torchrun runs
 (``init_process_group`` from the environment).
 
-Invariant: either every rank's result comes back, or the launch raises the first
-rank's error and every actor and the placement group are removed.
+``ray_followers`` is the learner service's path (``learner.launcher = "ray"``): the
+calling process stays rank 0 (it serves the bus, the database and its health where its
+supervisor sees it) and ranks 1.. run as actors; rank 0's rendezvous address is this
+process's, which the actors must reach.
+
+Invariants: either every rank's result comes back, or the launch raises the first
+rank's error and every actor and the placement group are removed. Actors a driver
+started are removed with it when it dies (Ray's ownership), so a killed learner leaves
+no ranks behind. An actor given GPUs sees only them (Ray narrows
+``CUDA_VISIBLE_DEVICES``), so its ``LOCAL_RANK`` is the index among its own devices: 0.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -42,6 +51,10 @@ class _Rank:
             return s.getsockname()[1]
 
     def run(self, fn: Callable, env: dict[str, str], args: tuple, kwargs: dict) -> Any:
+        import ray
+
+        if ray.get_gpu_ids() and os.environ.get("CUDA_VISIBLE_DEVICES"):
+            env = {**env, "LOCAL_RANK": "0"}  # its GPUs are the only ones it sees
         os.environ.update(env)
         return fn(*args, **kwargs)
 
@@ -95,3 +108,98 @@ def ray_launch(
         for r in ranks:
             ray.kill(r)
         remove_placement_group(pg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayRanks:
+    """Ranks 1..world-1 of a world whose rank 0 is the calling process."""
+
+    env: dict[str, str]
+    """Rank 0's rendezvous environment (``ray_followers`` put it into ``os.environ``)."""
+    refs: list
+    """One result per actor rank, rank order."""
+    actors: list
+    pg: Any
+
+    def futures(self) -> list:
+        """``concurrent.futures`` of the ranks' results (to watch them from asyncio)."""
+        return [r.future() for r in self.refs]
+
+    def close(self, timeout: float = 60.0) -> list[Any]:
+        """Wait up to ``timeout`` for the ranks to return (rank 0 told them to stop; 0: do
+        not wait), then remove the actors and the placement group; raises the first
+        rank's error."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            return ray.get(self.refs, timeout=timeout) if timeout > 0 else []
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            remove_placement_group(self.pg)
+
+
+def ray_followers(
+    fn: Callable,
+    world: int,
+    *,
+    args: tuple = (),
+    cpus_per_rank: float = 1,
+    gpus_per_rank: float = 0,
+    strategy: str = "PACK",
+    env: dict[str, str] | None = None,
+    master_addr: str = "",
+    master_port: int = 0,
+) -> RayRanks:
+    """Start ``fn(*args)`` on ranks 1..``world``-1 of the connected Ray cluster (one actor
+    each, a placement group of ``world``-1 bundles) and make this process rank 0: its
+    ``os.environ`` gets the rendezvous (``MASTER_ADDR`` = ``master_addr`` or this
+    machine's IP as Ray sees it). Returns without waiting: the ranks meet in
+    ``init_process_group`` once rank 0 joins."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if world < 2:
+        raise ValueError(f"a world of {world} rank(s) has no followers")
+    addr = master_addr or ray.util.get_node_ip_address()
+    port = master_port or _free_port()
+    base = {**(env or {}), "WORLD_SIZE": str(world), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+    bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+    pg = placement_group([bundle] * (world - 1), strategy=strategy)
+    actors: list = []
+    try:
+        ray.get(pg.ready(), timeout=300)
+        actor = ray.remote(_Rank)
+        actors = [
+            actor.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(world - 1)
+        ]
+        nodes = ray.get([a.node.remote() for a in actors])
+        local: dict[str, list[int]] = {}
+        for i, (node_id, _) in enumerate(nodes):
+            local.setdefault(node_id, []).append(i)
+        refs = []
+        for i, a in enumerate(actors):
+            peers = local[nodes[i][0]]
+            rank_env = {**base, "RANK": str(i + 1), "LOCAL_RANK": str(peers.index(i)), "LOCAL_WORLD_SIZE": str(len(peers))}
+            refs.append(a.run.remote(fn, rank_env, args, {}))
+    except BaseException:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        raise
+    own = {**(env or {}), **base, "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    os.environ.update(own)
+    return RayRanks(own, refs, actors, pg)

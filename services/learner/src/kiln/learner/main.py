@@ -3,7 +3,8 @@
 Starts the run (its database row), trains the tokenizer and initial policy and hands
 version 0 to the weights service (or, when the run has a learner checkpoint, restores
 the whole state and takes the run up where it stopped; on a multi-rank world this is
-rank 0, and ranks 1.. run ``follower_main``), then reacts: every published version lets the
+rank 0, and ranks 1.. run ``follower``: under torchrun as processes of their own,
+with ``learner.launcher = "ray"`` as Ray actors this process starts), then reacts: every published version lets the
 controller dispatch more groups, every scored trajectory goes to the trainer, and the
 run ends when version ``algorithm.steps`` is published.
 """
@@ -30,7 +31,7 @@ from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
 from kiln.learner.policy import Policy
 from kiln.learner.state import Checkpointer, checkpoint_root
-from kiln.learner.world import follow, join
+from kiln.learner.world import dims_of, follow, join, start_ray_ranks
 from kiln.learner.trainer import Trainer
 
 log = logging.getLogger("kiln.learner")
@@ -41,7 +42,7 @@ async def serve(ctx: ServiceContext) -> None:
     if not cfg.run.id:
         raise ValueError("run.id is empty: the learner drives one run (set KILN_RUN__ID or start with `kiln run`)")
     db = Database(cfg.database.url, cfg.database.echo)
-    world = None
+    world = ray_ranks = watch_ranks = None
     try:
         suite = load_suite(cfg.tasks.suite)
         evals = None
@@ -51,6 +52,9 @@ async def serve(ctx: ServiceContext) -> None:
         controller = Controller(ctx, db, suite, evals)
         checkpointer = Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep)
         meta = checkpointer.latest() if cfg.learner.resume else None
+        if cfg.learner.launcher == "ray" and dims_of(cfg).world > 1:
+            ray_ranks = await asyncio.to_thread(start_ray_ranks, cfg)
+            watch_ranks = asyncio.create_task(_watch_ray_ranks(ctx, ray_ranks))
         world = await asyncio.to_thread(join, cfg)
         policy = await asyncio.to_thread(Policy, cfg, suite, world)
         if meta is not None:
@@ -120,17 +124,33 @@ async def serve(ctx: ServiceContext) -> None:
             except RuntimeError as e:  # the followers already went (a SIGTERM reaches every rank)
                 log.info("follower ranks gone before the stop command: %s", e)
             dist.destroy_process_group()
+        if ray_ranks is not None:
+            watch_ranks.cancel()
+            # Without a formed world nothing told the ranks to stop: remove them at once.
+            await asyncio.to_thread(ray_ranks.close, 60.0 if world is not None else 0.0)
         await db.close()
 
 
+async def _watch_ray_ranks(ctx: ServiceContext, ranks) -> None:
+    """A Ray rank that ends before rank 0 said stop (its node died, an error) leaves the
+    world broken: fail the service, so its supervisor restarts it from the checkpoint."""
+    done, _ = await asyncio.wait([asyncio.wrap_future(f) for f in ranks.futures()], return_when=asyncio.FIRST_COMPLETED)
+    for fut in done:
+        ctx.fail(f"a Ray rank of the learner ended early: {fut.exception() or 'returned'}")
+
+
 def follower_main(argv: list[str]) -> None:
-    """Ranks 1..N-1 of a multi-rank learner: no bus, no database; rank 0 drives them."""
+    """Ranks 1..N-1 of a torchrun-launched learner: their settings from the command line."""
     p = argparse.ArgumentParser(prog="kiln-learner (follower rank)")
     p.add_argument("--config")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--instance")
     args = p.parse_args(argv)
-    cfg = load_config(LearnerConfig, args.config, args.overrides)
+    follower(load_config(LearnerConfig, args.config, args.overrides))
+
+
+def follower(cfg: LearnerConfig) -> None:
+    """Ranks 1..N-1 of a multi-rank learner: no bus, no database; rank 0 drives them."""
     logging.basicConfig(level=cfg.telemetry.log_level, format=f"%(asctime)s %(levelname)s learner-rank{os.environ['RANK']} %(name)s: %(message)s")
     world = join(cfg)
     policy = Policy(cfg, load_suite(cfg.tasks.suite), world)

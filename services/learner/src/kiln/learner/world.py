@@ -1,7 +1,8 @@
 """The learner on a multi-rank world: rank 0 serves, the other ranks follow.
 
 With ``learner.dp_shard * learner.ep > 1`` the learner process is started by torchrun
-(``kiln run`` does it, see ``command``) or the Ray launcher. Every rank builds the same
+(``kiln run`` does it, see ``command``), or, with ``learner.launcher = "ray"``, it is
+started alone and starts ranks 1.. as Ray actors itself (``start_ray_ranks``). Every rank builds the same
 policy (tokenizer and weights from ``run.seed``) and shards it (expert parallelism +
 FSDP2, ``kiln.learner.parallel``). Only rank 0 talks to NATS and the database; it drives
 the others with commands broadcast on a gloo control group: ``step`` (the padded batch
@@ -90,9 +91,36 @@ def follow(world: World, policy, checkpointer) -> None:
             raise RuntimeError(f"unknown learner command {kind!r}")
 
 
+def start_ray_ranks(cfg):
+    """Rank 0 of a Ray-launched world: connect to the cluster at ``learner.ray_address``
+    and start ``kiln.learner.main.follower(cfg)`` on ranks 1.. (``kiln.learner.launch.ray_followers``).
+    The followers get the resolved settings without the bus and database credentials,
+    which only rank 0 uses."""
+    import ray
+
+    from kiln.learner.launch import ray_followers
+    # Imported by its name, not taken from the running ``__main__``: Ray pickles a
+    # function of an importable module by reference, one of ``__main__`` by value.
+    from kiln.learner.main import follower
+
+    lc = cfg.learner
+    if not ray.is_initialized():
+        ray.init(address=lc.ray_address, log_to_driver=True)
+    shipped = cfg.model_copy(update={
+        "nats": cfg.nats.model_copy(update={"user": "", "password": ""}),
+        "database": cfg.database.model_copy(update={"url": ""}),
+    })  # fmt: skip
+    return ray_followers(
+        follower, dims_of(cfg).world, args=(shipped,), cpus_per_rank=lc.ray_cpus_per_rank, gpus_per_rank=lc.ray_gpus_per_rank,
+        strategy=lc.ray_strategy, env={"OMP_NUM_THREADS": str(lc.torch_threads)}, master_addr=lc.rendezvous_host,
+        master_port=lc.rendezvous_port,
+    )  # fmt: skip
+
+
 def command(cfg, module: str) -> list[str]:
-    """argv prefix ``kiln run`` uses to start the learner: torchrun for a multi-rank world."""
+    """argv prefix ``kiln run`` uses to start the learner: torchrun for a multi-rank world
+    (the Ray launcher starts its own ranks from the one process)."""
     n = dims_of(cfg).world
-    if n == 1:
+    if n == 1 or cfg.learner.launcher == "ray":
         return [sys.executable, "-m", module]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--standalone", "-m", module]
