@@ -243,6 +243,8 @@ def malformed(model: type[c.Message], stream: str | None, max_payload: int) -> s
             st.binary(max_size=200) | json_values.map(obj) | st.integers(300_000, 1_500_000).map(lambda n: b"[" + b"1," * (n // 2) + b"x]"),
         ),  # fmt: skip
     ]
+    if ranged := out_of_range(model):
+        kinds.append(st.builds(Case, st.just("out-of-range"), st.sampled_from(ranged).map(lambda kv: replaced(*kv)), hdrs))
     if required:
         kinds.append(st.builds(Case, st.just("missing-field"), st.sampled_from(required).map(lambda k: obj({x: v for x, v in base.items() if x != k})), hdrs))
     # One that fills a message to the server's limit: a copy with more headers must still fit.
@@ -254,6 +256,27 @@ def malformed(model: type[c.Message], stream: str | None, max_payload: int) -> s
         return c.HDR_CLAIM in (case.headers or {}) or not is_valid(model, case.body)
 
     return st.one_of(*kinds, st.just(edge)).filter(refused)
+
+
+def out_of_range(model: type[BaseModel]) -> list[tuple[str, object]]:
+    """(field, value) pairs of the right JSON type that break a declared constraint: a
+    bound (``ge``/``gt``/``le``/``lt``), a literal, an enum, finiteness."""
+    out: list[tuple[str, object]] = []
+    for name, f in model.model_fields.items():
+        key = f.alias or name
+        for m in f.metadata:
+            for attr, delta in (("ge", -1), ("gt", 0), ("le", 1), ("lt", 0)):
+                bound = getattr(m, attr, None)
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+                    out.append((key, bound + delta))
+            if getattr(m, "allow_inf_nan", True) is False:
+                out.append((key, float("nan")))
+        tp = f.annotation
+        if typing.get_origin(tp) is typing.Literal:
+            out.append((key, "not-" + str(typing.get_args(tp)[0])))
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            out.append((key, "not-a-member"))
+    return out
 
 
 def draw(strategy: st.SearchStrategy, n: int) -> list:

@@ -377,5 +377,7 @@ async def test_fuzz_every_consumed_subject_at_length(fleet):
     t0 = time.monotonic()
     stats = await fuzz(fleet, per_subject=300)
     t1 = time.monotonic()
+    n = await hostile_requests(fleet, per_subject=200)
+    t2 = time.monotonic()
     await still_serving(fleet)
-    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; still serving checked in {time.monotonic() - t1:.1f} s")
+    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests in {t2 - t1:.1f} s; still serving checked in {time.monotonic() - t2:.1f} s")
