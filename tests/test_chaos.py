@@ -201,6 +201,14 @@ async def test_the_bus_check_tells_deliberate_dead_letters_from_others(tmp_path)
     try:
         bus = await Bus.connect(NatsSettings(url=server.url), "test")
         await bus.ensure_topology()
+        await bus.close()
+    finally:
+        server.stop()
+    clean = await inv.check_bus(tmp_path / "nats", {}, set())  # empty streams: nothing to say
+    assert clean.violations == [] and clean.facts["dead_letters"] == 0, clean.violations
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        bus = await Bus.connect(NatsSettings(url=server.url), "test")
         dlq = f"{c.DEAD_LETTER_PREFIX}.{c.TRAJECTORY_SCORED}"
         await bus.js.publish(dlq, inv.BAD_INPUT_MARKER + b" m1 {not json", headers={c.HDR_DLQ_REASON: "invalid"})
         await bus.js.publish(dlq, b'{"real": 1}', headers={c.HDR_DLQ_REASON: "handler raised", c.HDR_DLQ_SERVICE: "learner"})

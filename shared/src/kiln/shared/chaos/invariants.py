@@ -347,8 +347,10 @@ async def _messages(bus, stream: str, subject: str | None = None) -> list[tuple[
         info = await bus.js.stream_info(stream)
     except NotFoundError:
         return []
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+    out: list[tuple[str, dict, bytes]] = []
+    if not info.state.messages:  # an empty stream's sequences start at 0, which no message has
+        return out
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
         try:
             m = await bus.js.get_msg(stream, seq)
         except NotFoundError:  # a deleted sequence
