@@ -45,7 +45,7 @@ from kiln.shared.launcher import LocalPlatform
 from kiln.shared.tasks import load_suite
 from kiln.shared.tools import TOOLS
 
-from fuzzing import Case, Subscriptions, bus_call_sites, declared_model, draw, encode, hostile, hostile_text, malformed
+from fuzzing import Case, Subscriptions, bus_call_sites, declared_model, draw, encode, hostile, hostile_text, is_valid, malformed, minimal
 from harness import InProcessPlatform, experiment, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -360,6 +360,18 @@ async def test_non_finite_or_negative_durations_are_refused(fleet):
             assert "ttl_s" in resp.data.decode() or "timeout_s" in resp.data.decode(), resp.data
     finally:
         await pool.destroy(ref)
+
+
+async def test_non_finite_deadlines_are_malformed():
+    """Regression: a RolloutRequest with a NaN deadline passed validation, leased every
+    sample's sandbox for NaN seconds and was retried until dead-lettered with a reason
+    about SandboxCreate; now it is malformed itself."""
+    for model in (c.RolloutRequest, c.EvalRequest):
+        ok = minimal(model)
+        assert model.model_validate(ok)
+        for bad in (b"NaN", b"Infinity", b"-Infinity"):
+            body = encode(ok).replace(b'"deadline": 1.0', b'"deadline": ' + bad)
+            assert bad in body and not is_valid(model, body)
 
 
 @pytest.mark.timeout(300)

@@ -40,8 +40,9 @@ class RolloutRequest(Message):
     n_samples: int = Field(ge=1)
     dispatch_version: int = Field(ge=0)
     """Policy version the controller dispatched this group for; workers serve at least it."""
-    deadline: float
-    """Unix time after which the controller drops the group (reason ``deadline``)."""
+    deadline: float = Field(allow_inf_nan=False)
+    """Unix time after which the controller drops the group (reason ``deadline``). Finite:
+    a NaN made every sample's sandbox lease NaN, retried until dead-lettered."""
     sample_traces: list[str] = Field(default_factory=list)
     """W3C ``traceparent`` per sample: every trajectory is its own trace, rooted at dispatch."""
     samples: list[int] | None = None
@@ -484,7 +485,7 @@ class EvalRequest(Message):
     n_samples: int = Field(ge=1)
     temperature: float = Field(ge=0.0)
     seed: int
-    deadline: float
+    deadline: float = Field(allow_inf_nan=False)
 
 
 class RunEvent(Message):
