@@ -334,6 +334,47 @@ async def hostile_requests(fleet: Fleet, per_subject: int) -> int:
     return len(jobs)
 
 
+async def hostile_messages(fleet: Fleet, per_subject: int) -> int:
+    """Valid messages of another run with extreme values to every JetStream subject: a
+    work queue's message is settled (acked, or dead-lettered at once: a bad input that
+    is retried until ``max_deliver`` is a handler that should have refused it)."""
+    bus = fleet.bus
+    before = (await bus.js.stream_info("KILN_DLQ")).state.messages
+    stored: list[tuple[str, int]] = []
+    for subject, subs in fleet.subs.by_subject().items():
+        if subs[0].kind == "serve":
+            continue
+        for body in draw(hostile(subs[0].model, {"run_id": st.just("fuzz-other-run")}).map(encode), per_subject):
+            ack = await bus.js.publish(subject, body)
+            if c.stream_for_subject(subject).retention == c.Retention.WORK_QUEUE:
+                stored.append((ack.stream, ack.seq))
+
+    async def settled():
+        assert not fleet.platform.failed(), fleet.platform.failed()
+        for stream, seq in stored:
+            try:
+                await bus.js.get_msg(stream, seq)
+                return False
+            except nats.js.errors.NotFoundError:  # a work queue drops what was acked or terminated
+                pass
+        return True
+
+    await wait_for(settled, 120, 0.2, "every hostile work message settled")
+    retried = [
+        f"{m.headers[c.HDR_DLQ_SUBJECT]}: {m.headers[c.HDR_DLQ_REASON][:300]}" for m in (await dead_letters(bus))[before:]
+        if m.headers[c.HDR_DLQ_REASON].startswith(("handler failed", "retried"))
+    ]  # fmt: skip
+    assert not retried, "retried instead of refused:\n" + "\n".join(retried[:20])
+    return len(stored)
+
+
+@pytest.mark.timeout(300)
+async def test_valid_messages_with_hostile_values_settle(fleet):
+    t0 = time.monotonic()
+    n = await hostile_messages(fleet, per_subject=10)
+    print(f"hostile messages: {n} work items settled in {time.monotonic() - t0:.1f} s")
+
+
 @pytest.mark.timeout(300)
 async def test_requests_with_hostile_values_get_an_answer(fleet):
     t0 = time.monotonic()
@@ -390,6 +431,7 @@ async def test_fuzz_every_consumed_subject_at_length(fleet):
     stats = await fuzz(fleet, per_subject=300)
     t1 = time.monotonic()
     n = await hostile_requests(fleet, per_subject=200)
+    n += await hostile_messages(fleet, per_subject=60)
     t2 = time.monotonic()
     await still_serving(fleet)
-    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests in {t2 - t1:.1f} s; still serving checked in {time.monotonic() - t2:.1f} s")
+    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests and work items in {t2 - t1:.1f} s; still serving checked in {time.monotonic() - t2:.1f} s")

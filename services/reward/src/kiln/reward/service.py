@@ -28,9 +28,10 @@ import time
 
 import nats.js.errors
 from nats.js import api as js_api
+from sqlalchemy.exc import DataError
 
 from kiln.shared import contracts as c
-from kiln.shared.bus import Delivery, RemoteError
+from kiln.shared.bus import Delivery, Reject, RemoteError
 from kiln.shared.db import Database, TrajectoryRecord
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.service import ServiceContext
@@ -106,7 +107,10 @@ class Scorer:
                 t0 = time.monotonic()
                 scored, full_output = await self._score(traj)
                 log_key = await self._store_log(traj.trajectory_id, full_output)
-                await self._record(scored, log_key)
+                try:
+                    await self._record(scored, log_key)
+                except DataError as e:  # an id too long, a number out of range, a NUL: retrying cannot help
+                    raise Reject(f"cannot record {traj.trajectory_id[:200]!r}: {e.orig}") from None
                 m = self.ctx.metrics
                 m.seconds.record(time.monotonic() - t0)
                 outcome = "infra_error" if scored.infra_error else "pass" if scored.passed else scored.failure.value
@@ -137,7 +141,10 @@ class Scorer:
 
         if traj.status == c.TrajectoryStatus.INFRA_ERROR:
             return infra(traj.infra_error or "rollout reported an infrastructure error")
-        task = self.suite.get(traj.task_id)
+        try:
+            task = self.suite.get(traj.task_id)
+        except KeyError as e:  # no test to run it against: retrying cannot help
+            raise Reject(str(e)) from None
         if traj.finish_reason in c.HARNESS_FAILURES:  # nothing to test: a failure, never an escape from one
             ids = task.fail_to_pass + task.pass_to_pass
             verdict = Verdict({t: c.CaseStatus.MISSING for t in ids}, c.Failure.HARNESS,
