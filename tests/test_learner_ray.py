@@ -3,7 +3,9 @@ database, health) and rank 1 runs as an actor of a real Ray cluster, a head star
 ``ray start --head`` on loopback with token auth. The run trains the same policy as the
 single-process learner on the same data, survives a SIGKILL of the learner (the restarted
 learner starts fresh Ray ranks and resumes from the whole-state checkpoint), and leaves
-the cluster as it found it (every actor and placement group gone).
+the cluster as it found it (every actor and placement group gone). A Ray rank that dies
+under a live learner fails the learner (exit non-zero, for its supervisor to restart it)
+instead of leaving it serving with a broken world.
 
 Same data and tolerances as ``test_learner_resume.test_two_rank_learner_trains_like_one``
 (the torchrun path), whose ``one_run`` drives both runs."""
@@ -11,6 +13,8 @@ Same data and tolerances as ``test_learner_resume.test_two_rank_learner_trains_l
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import secrets
 import shutil
 import signal
@@ -24,7 +28,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from harness import wait_for
+from harness import InProcessPlatform, experiment, wait_for
 from test_learner_resume import LR, STEPS, one_run
 
 ray = pytest.importorskip("ray")
@@ -97,4 +101,36 @@ async def test_ray_launched_learner_trains_like_one_process(tmp_path, nats_serve
         assert off <= 1e-3 * moved, (k, off, moved)
         assert (single[k] - multi[k]).abs().max().item() < 0.05 * LR, k
     # The killed learner's actor and the finished one's placement group are gone.
+    await wait_for(lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_a_lost_ray_rank_fails_the_learner(tmp_path, nats_server, bus, pg_url, ray_head):
+    exp = experiment(
+        tmp_path, nats_server.url, pg_url, run={"id": "ray-lost", "dir": str(tmp_path), "seed": 0},
+        algorithm={"steps": STEPS, "groups_per_step": 2, "samples_per_group": 2},
+        learner={"tokenizer_corpus_repeats": 1, "ep": 2, "launcher": "ray", "ray_address": ray_head, "rendezvous_host": "127.0.0.1"},
+    )  # fmt: skip
+    platform = InProcessPlatform(exp)
+    await platform.start("weights")
+    argv = platform.services["learner"].argv(platform.config("learner"))
+    log = tmp_path / "learner.log"
+    proc = subprocess.Popen(
+        [*argv, "--config", str(exp), "--instance", "learner-lost"], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "KILN_CONFIG": str(exp)}, start_new_session=True,
+    )  # fmt: skip
+    text = lambda: log.read_text(errors="replace")  # noqa: E731
+    try:
+        follower = await wait_for(lambda: re.search(r"\(_Rank pid=(\d+)\)[^\n]*rank 1 of 2 following rank 0", text()), 180, 0.2, "rank 1 following")
+        await wait_for(lambda: "kiln.learner: policy:" in text(), 180, 0.2, "rank 0 serving")
+        os.kill(int(follower.group(1)), signal.SIGKILL)  # rank 1's actor process, a child of our Ray head
+        rc = await asyncio.to_thread(proc.wait, 180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        await platform.stop_all()
+    assert rc != 0, text()[-3000:]
+    assert "a Ray rank of the learner ended early" in text(), text()[-3000:]
     await wait_for(lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again")
