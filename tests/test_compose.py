@@ -483,6 +483,7 @@ def test_env_pool_can_start_bubblewrap_sandboxes(compose):
     svc = _service(compose, "env-pool")
     opts = set(svc.get("security_opt", []))
     assert "seccomp=unconfined" in opts, "env-pool needs seccomp=unconfined for bubblewrap's namespaces"
+    assert "systempaths=unconfined" in opts, "bubblewrap mounts /proc, refused while the container's /proc has masked paths"
     assert "privileged" not in svc and not svc.get("cap_add"), "env-pool must not be privileged"
     size = str(svc.get("shm_size", "64mb")).lower()
     assert size.endswith("gb") or int(re.sub(r"\D", "", size) or 0) >= 1024, "workspaces need more /dev/shm than 64 MB"
