@@ -81,6 +81,20 @@ def _idle_cpus(address: str) -> float:
     return float(out.stdout.split()[-1])
 
 
+def test_kiln_run_starts_a_ray_learner_as_one_process():
+    """``kiln run`` (and the tests above) start the learner by its registered argv: one
+    plain process under Ray, torchrun for a local multi-rank world."""
+    from kiln.learner.config import LearnerConfig
+    from kiln.shared.config import load_config
+    from kiln.shared.registry import discover
+
+    info = discover()["learner"]
+    ray_cfg = load_config(LearnerConfig, overrides=["learner.ep=2", "learner.launcher=ray"])
+    assert info.argv(ray_cfg) == [sys.executable, "-m", info.module]
+    local = info.argv(load_config(LearnerConfig, overrides=["learner.ep=2"]))
+    assert local[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in local
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_ray_launched_learner_trains_like_one_process(tmp_path, nats_server, bus, pg_url, ray_head):
@@ -110,7 +124,8 @@ async def test_a_lost_ray_rank_fails_the_learner(tmp_path, nats_server, bus, pg_
     exp = experiment(
         tmp_path, nats_server.url, pg_url, run={"id": "ray-lost", "dir": str(tmp_path), "seed": 0},
         algorithm={"steps": STEPS, "groups_per_step": 2, "samples_per_group": 2},
-        learner={"tokenizer_corpus_repeats": 1, "ep": 2, "launcher": "ray", "ray_address": ray_head, "rendezvous_host": "127.0.0.1"},
+        # rendezvous_host left empty: rank 0's address as Ray sees it (loopback here).
+        learner={"tokenizer_corpus_repeats": 1, "ep": 2, "launcher": "ray", "ray_address": ray_head},
     )  # fmt: skip
     platform = InProcessPlatform(exp)
     await platform.start("weights")

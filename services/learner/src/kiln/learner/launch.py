@@ -46,9 +46,7 @@ class _Rank:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return _free_port()
 
     def run(self, fn: Callable, env: dict[str, str], args: tuple, kwargs: dict) -> Any:
         import ray
