@@ -27,6 +27,7 @@ import tomllib
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
+import kubernetes_validate  # requirements-dev.txt: the schemas ship inside it (offline)
 import pytest
 import yaml
 
@@ -36,7 +37,6 @@ from kiln.shared.registry import discover
 
 from test_compose import COMPOSE_FILE, _interpolate, _MigrateConfig, _resolve_env_key
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
