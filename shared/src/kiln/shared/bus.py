@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ from nats.js import api
 from opentelemetry import trace
 from pydantic import ValidationError
 
+from kiln.shared import busconnect
 from kiln.shared import contracts as c
+from kiln.shared.bustopology import ensure_object_store, ensure_stream
 from kiln.shared.config import NatsSettings
 from kiln.shared.telemetry import extract_context, inject_headers
 
@@ -121,8 +124,11 @@ Handler = Callable[[M, Delivery], Awaitable[None]]
 _TRANSIENT = (
     nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError, nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError,
+    nats.js.errors.NoStreamResponseError,  # a cluster's stream between leaders answers nobody
 )  # fmt: skip
 """Failures of a publish that a server coming back cures."""
+_CONSUMER_REPLICAS_EXCEED_STREAM = 10126
+"""JetStream's error code while a stream scaled up has not taken its new replicas yet."""
 
 
 class Bus:
@@ -156,13 +162,13 @@ class Bus:
                 refused.append(str(e))
             log.debug("NATS client error: %s", e)
 
+        opts = busconnect.connect_options(settings)
         deadline = time.monotonic() + settings.connect_timeout_s
         while True:
             nc = nats.NATS()
             try:
                 # A server that refuses the credential makes the client retry forever: bounded here.
                 await asyncio.wait_for(nc.connect(
-                    servers=settings.url.split(","),
                     name=service,
                     connect_timeout=min(2.0, settings.connect_timeout_s),
                     max_reconnect_attempts=-1,
@@ -171,15 +177,25 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     error_cb=on_error,
-                    **({"user": settings.user, "password": settings.password} if settings.user else {}),
+                    **opts,
                 ), max(0.5, deadline - time.monotonic()) + 2.0)  # fmt: skip
                 break
             except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
                 if refused or time.monotonic() > deadline:
                     await nc.close()
-                    why = f"the server refused the credential ({refused[-1]})" if refused else str(e) or type(e).__name__
-                    raise ConnectionError(f"cannot connect to NATS at {settings.url} as {settings.user or 'no user'}: {why}") from e
+                    if refused:
+                        why = f"the server refused the credential ({refused[-1]})"
+                    elif isinstance(e, ssl.SSLError) or isinstance(e.__cause__, ssl.SSLError):
+                        why = f"TLS failed ({e}): is nats.tls_ca_file the CA that signed the server's certificate?"
+                    else:
+                        why = str(e) or type(e).__name__
+                    raise ConnectionError(f"cannot connect to NATS at {busconnect.describe(settings)}: {why}") from e
                 await asyncio.sleep(0.2)
+        if "tls" in opts and not (getattr(nc, "_server_info", None) or {}).get("tls_required"):
+            # nats-py upgrades only when the server asks: a server without TLS must not pass
+            # for one where the operator configured TLS.
+            await nc.close()
+            raise ConnectionError(f"NATS at {settings.url} does not speak TLS, but nats.tls_* / tls:// asks for it")
         return cls(nc, settings, service, tracer)
 
     async def close(self) -> None:
@@ -196,7 +212,12 @@ class Bus:
                 await self.nc.close()
 
     async def ensure_topology(self) -> None:
-        """Create or update every stream and durable consumer; safe to call from every service."""
+        """Create or update every stream, durable consumer and the claims store, each with
+        ``nats.stream_replicas`` replicas; safe to call from every service. A stream that
+        exists with other replicas is scaled (JetStream moves the data); a cluster still
+        electing its leaders is waited for (up to ``nats.publish_retry_s``)."""
+        replicas = self.settings.stream_replicas
+        await self._until_available("JetStream", self._jetstream_answers)
         for spec in c.STREAMS:
             cfg = api.StreamConfig(
                 name=spec.name,
@@ -207,23 +228,45 @@ class Bus:
                 duplicate_window=spec.duplicate_window_s,
                 max_msgs_per_subject=spec.max_msgs_per_subject,
                 storage=api.StorageType.FILE,
+                num_replicas=replicas,
             )
-            try:
-                await self.js.stream_info(spec.name)
-                await self.js.update_stream(cfg)
-            except nats.js.errors.NotFoundError:
-                try:
-                    await self.js.add_stream(cfg)
-                except nats.js.errors.BadRequestError:
-                    await self.js.update_stream(cfg)  # another service created it meanwhile
+            await self._until_available(f"stream {spec.name}", lambda cfg=cfg: ensure_stream(self.js, cfg))
         for spec in c.CONSUMERS:
-            await self.ensure_consumer(spec)
+            await self._until_available(f"consumer {spec.durable}", lambda spec=spec: self.ensure_consumer(spec))
+        self._obs = await self._until_available(
+            c.CLAIMS_BUCKET, lambda: self.object_store(c.CLAIMS_BUCKET, ttl_s=7 * 24 * 3600, description="claim-checked bodies")
+        )
+
+    async def _jetstream_answers(self) -> None:
+        """Raises a timeout until JetStream answers: asked with a short timeout, so a fresh
+        cluster is used as soon as it has its leader, not after a 5 s request timeout."""
         try:
-            self._obs = await self.js.object_store(c.CLAIMS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            self._obs = await self.js.create_object_store(
-                c.CLAIMS_BUCKET, config=api.ObjectStoreConfig(ttl=7 * 24 * 3600, description="claim-checked bodies")
-            )
+            await self.nc.jetstream(timeout=0.5).stream_info(c.STREAMS[0].name)
+        except nats.js.errors.NotFoundError:
+            pass
+
+    async def _until_available(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()``, retried while JetStream is unavailable (a cluster electing leaders) or a
+        stream is still being scaled (its consumers cannot have more replicas than it yet)."""
+        give_up = time.monotonic() + self.settings.publish_retry_s
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except (*_TRANSIENT, nats.js.errors.BadRequestError) as e:
+                scaling = isinstance(e, nats.js.errors.BadRequestError) and e.err_code == _CONSUMER_REPLICAS_EXCEED_STREAM
+                if isinstance(e, nats.js.errors.BadRequestError) and not scaling:
+                    raise
+                if time.monotonic() + delay > give_up:
+                    raise
+                log.info("JetStream not ready for %s (%s); retrying in %.1fs", what, type(e).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def object_store(self, bucket: str, *, ttl_s: float | None = None, description: str = ""):
+        """The object store ``bucket``, created with ``nats.stream_replicas`` replicas when
+        missing; one that exists with other replicas is scaled to them."""
+        return await ensure_object_store(self.js, bucket, replicas=self.settings.stream_replicas, ttl_s=ttl_s, description=description)
 
     def ack_wait(self, spec: c.ConsumerSpec) -> float:
         return self.settings.ack_wait_s.get(spec.durable, spec.ack_wait_s)
@@ -237,6 +280,9 @@ class Bus:
             max_deliver=spec.max_deliver,
             max_ack_pending=spec.max_ack_pending,
             filter_subject=spec.filter_subject,
+            # As many as its stream: a consumer left on one node of a cluster dies with that
+            # node (and work-queue streams demand it).
+            num_replicas=self.settings.stream_replicas,
             **spec.overrides,
         )
         await self.js.add_consumer(spec.stream, cfg)
@@ -351,7 +397,9 @@ class Bus:
                         msgs = await psub.fetch(batch=min(free, self.settings.fetch_batch), timeout=0.5 if last else 0.05)
                     except (nats.errors.TimeoutError, asyncio.TimeoutError):
                         continue
-                    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, OSError) as e:
+                    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, OSError,
+                            nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as e:
+                        # Reconnecting, or (a cluster) the consumer's leader moving to another node.
                         log.warning("fetch from %s failed (%s); retrying", sp.durable, e)
                         await asyncio.sleep(0.5)
                         break

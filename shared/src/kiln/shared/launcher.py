@@ -11,8 +11,9 @@ It supervises as compose or Kubernetes would: a service process that dies is res
 with exponential backoff (``local.restart_backoff_s`` doubling up to
 ``local.restart_backoff_max_s``), and the run fails only when one crash-loops (more than
 ``local.max_restarts`` exits within ``local.restart_window_s``), with the reason and the
-tail of its log; the embedded nats-server is restarted at once on its port and store
-(clients reconnect, JetStream's state is on disk). A restarted learner resumes from its
+tail of its log; the embedded nats-server (or each node of the embedded cluster,
+``nats.cluster_size``) is restarted at once on its port and store (clients reconnect,
+JetStream's state is on disk; a cluster keeps serving while one node is away). A restarted learner resumes from its
 whole-state checkpoint; the other services are stateless (their work is redelivered).
 """
 
@@ -124,7 +125,7 @@ class LocalPlatform:
         return run_dir, load_config(LauncherConfig, self.config_file)
 
     def _start_infra(self, cfg: LauncherConfig) -> None:
-        from kiln.shared.embedded import NatsServer, PostgresServer, postgres_bindir
+        from kiln.shared.embedded import NatsCluster, NatsServer, PostgresServer, postgres_bindir
         from kiln.shared.db import upgrade
 
         if cfg.local.embedded_nats:
@@ -137,10 +138,16 @@ class LocalPlatform:
                 conf.parent.mkdir(parents=True, exist_ok=True)
                 conf.write_text(server_config(self.creds))
                 conf.chmod(0o600)
-            self.nats = NatsServer(self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log"),
-                                   config_file=conf).start()  # fmt: skip
+            size = cfg.nats.cluster_size
+            if size > 1:
+                self.nats = NatsCluster(self.run_dir / "nats", size, log_dir=self.run_dir / "logs", config_file=conf).start()
+                what = f"a {size}-node NATS cluster with JetStream ({cfg.nats.stream_replicas} replicas per stream)"
+            else:
+                self.nats = NatsServer(self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log"),
+                                       config_file=conf).start()  # fmt: skip
+                what = "nats-server with JetStream"
             self.experiment.setdefault("nats", {})["url"] = self.nats.url
-            _say(f"nats-server with JetStream on {self.nats.url}" + (", a credential per service" if conf else ""))
+            _say(f"{what} on {self.nats.url}" + (", a credential per service" if conf else ""))
         db = self.experiment.setdefault("database", {})
         if not db.get("url"):
             if cfg.database.embedded == "postgres" and postgres_bindir() is not None:
@@ -203,13 +210,16 @@ class LocalPlatform:
         await bus.watch(c.RUN_EVENTS, c.RunEvent, on_event, deliver="new")
 
     async def _supervise(self, cfg: LauncherConfig) -> None:
-        """Until the run ends: restart what dies (services with backoff, nats-server at
-        once on its port and store), fail on a crash loop or the timeout."""
+        """Until the run ends: restart what dies (services with backoff, a nats-server or
+        cluster node at once on its port and store), fail on a crash loop or the timeout."""
         deadline = time.monotonic() + cfg.local.timeout_s
         while not self.finished.is_set():
-            if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is not None:
-                _say(f"nats-server exited with code {self.nats.proc.returncode}; restarting it (same port, same store)")
-                self.nats.start()  # clients reconnect by themselves; JetStream's store is on disk
+            for node in self.nats.nodes if self.nats is not None else []:
+                if node.proc is not None and node.proc.poll() is not None:
+                    _say(f"{node.name} exited with code {node.proc.returncode}; restarting it (same port, same store)")
+                    # Clients reconnect by themselves; JetStream's store is on disk (a cluster
+                    # node catches up from its peers, which served meanwhile).
+                    node.start()
             for ch in self.children:
                 if ch.restart_at is not None:
                     if time.monotonic() >= ch.restart_at:

@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import nats.js.errors
 from kiln.envpool import bwrap, overlay
 from kiln.envpool.api import build_app
 from kiln.envpool.cgroups import CgroupManager
@@ -36,7 +35,6 @@ from kiln.shared.bus import ServiceError
 from kiln.shared.http import serve_http
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
 from kiln.shared.tasks import load_suite
-from nats.js import api as js_api
 from opentelemetry import trace
 
 log = logging.getLogger("kiln.envpool")
@@ -95,13 +93,7 @@ async def sandbox_factory(s: EnvPoolSettings, root: Path, launcher: Launcher):
 
 
 async def snapshot_store(ctx: ServiceContext, ttl_s: float):
-    js = ctx.bus.js
-    try:
-        obs = await js.object_store(c.SNAPSHOTS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        obs = await js.create_object_store(
-            c.SNAPSHOTS_BUCKET, config=js_api.ObjectStoreConfig(ttl=ttl_s, description="workspace snapshots")
-        )
+    obs = await ctx.bus.object_store(c.SNAPSHOTS_BUCKET, ttl_s=ttl_s, description="workspace snapshots")
 
     async def put(key: str, data: bytes) -> None:
         await obs.put(key, data)
@@ -114,7 +106,7 @@ async def snapshot_store(ctx: ServiceContext, ttl_s: float):
     return put, get
 
 
-def layer_store(s: EnvPoolSettings, js):
+def layer_store(s: EnvPoolSettings, js, replicas: int = 1):
     """Where this node shares built environment layers (``envpool.environments_store``)."""
     from kiln.envpool.environments import NatsLayerStore, S3LayerStore
 
@@ -123,7 +115,7 @@ def layer_store(s: EnvPoolSettings, js):
                              s.environments_s3_endpoint_url, s.environments_s3_region)
         log.info("environment layers are shared through %s", store.where)
         return store
-    return NatsLayerStore(js) if s.environments_store == "nats" else None
+    return NatsLayerStore(js, replicas=replicas) if s.environments_store == "nats" else None
 
 
 def raise_open_files_limit() -> None:
@@ -166,7 +158,9 @@ async def serve(ctx: ServiceContext) -> None:
     if why_not is None:
         from kiln.envpool.environments import EnvironmentCache
 
-        environments = EnvironmentCache(Path(s.environments_root), s.environments_budget_bytes, layer_store(s, ctx.bus.js))
+        environments = EnvironmentCache(
+            Path(s.environments_root), s.environments_budget_bytes, layer_store(s, ctx.bus.js, ctx.bus.settings.stream_replicas)
+        )
     else:
         log.info("this node serves no environment tasks: %s", why_not)
     index = SemanticIndex(mode=s.semantic_mode)

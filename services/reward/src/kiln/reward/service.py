@@ -26,9 +26,8 @@ import asyncio
 import logging
 import time
 
-import nats.js.errors
-from nats.js import api as js_api
-from sqlalchemy.exc import DataError
+from psycopg.errors import ForeignKeyViolation
+from sqlalchemy.exc import DataError, IntegrityError
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, RemoteError
@@ -69,13 +68,7 @@ class Scorer:
         self.scored = 0
 
     async def start(self) -> None:
-        js = self.ctx.bus.js
-        try:
-            self.logs = await js.object_store(LOGS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            self.logs = await js.create_object_store(
-                LOGS_BUCKET, config=js_api.ObjectStoreConfig(ttl=self.cfg.reward.logs_ttl_s, description="test logs")
-            )
+        self.logs = await self.ctx.bus.object_store(LOGS_BUCKET, ttl_s=self.cfg.reward.logs_ttl_s, description="test logs")
 
     async def on_trajectory(self, traj: c.Trajectory, delivery: Delivery) -> None:
         # The agent's sandbox plays no part in the score once its diff is in hand: it goes
@@ -111,6 +104,12 @@ class Scorer:
                     await self._record(scored, log_key)
                 except DataError as e:  # an id too long, a number out of range, a NUL: retrying cannot help
                     raise Reject(f"cannot record {traj.trajectory_id[:200]!r}: {e.orig}") from None
+                except IntegrityError as e:
+                    # A run that has no row never will (the controller writes it before any
+                    # dispatch); a duplicate key, by contrast, is a replica racing us: retry.
+                    if isinstance(e.orig, ForeignKeyViolation):
+                        raise Reject(f"cannot record {traj.trajectory_id[:200]!r}: {e.orig}") from None
+                    raise
                 m = self.ctx.metrics
                 m.seconds.record(time.monotonic() - t0)
                 outcome = "infra_error" if scored.infra_error else "pass" if scored.passed else scored.failure.value

@@ -10,9 +10,9 @@ import tempfile
 from pathlib import Path
 
 import nats.js.errors
-from nats.js import api as js_api
 
 from kiln.shared import contracts as c
+from kiln.shared.bustopology import ensure_object_store
 
 from .unpack import extract_tar
 
@@ -33,17 +33,15 @@ def _unpack(src, dest: Path) -> None:
 class NatsLayerStore:
     """``LayerStore`` over a JetStream object store (``js``: a connected JetStream context)."""
 
-    def __init__(self, js, bucket: str = c.ENVIRONMENTS_BUCKET, ttl_s: float = 0.0, scratch: Path | None = None):
-        self.js, self.bucket, self.ttl_s, self.scratch = js, bucket, ttl_s, scratch
+    def __init__(self, js, bucket: str = c.ENVIRONMENTS_BUCKET, ttl_s: float = 0.0, scratch: Path | None = None,
+                 replicas: int = 1):
+        self.js, self.bucket, self.ttl_s, self.scratch, self.replicas = js, bucket, ttl_s, scratch, replicas
         self._obs = None
 
     async def _store(self):
         if self._obs is None:
-            try:
-                self._obs = await self.js.object_store(self.bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._obs = await self.js.create_object_store(
-                    self.bucket, config=js_api.ObjectStoreConfig(ttl=self.ttl_s or None, description="environment layers"))
+            self._obs = await ensure_object_store(self.js, self.bucket, replicas=self.replicas, ttl_s=self.ttl_s or None,
+                                                  description="environment layers")  # fmt: skip
         return self._obs
 
     async def has(self, digest: str) -> bool:
