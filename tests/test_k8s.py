@@ -310,6 +310,9 @@ def test_nats_users_and_permissions_are_busauth(registry, generated_secrets):
     cfg = values["config"]
     assert cfg["jetstream"]["enabled"] and cfg["jetstream"]["fileStore"]["pvc"]["enabled"]
     assert cfg["cluster"]["enabled"] and cfg["cluster"]["replicas"] >= 3
+    env_cm = yaml.safe_load_all((K8S / "config.yaml").read_text())
+    kiln_env = next(d for d in env_cm if d["metadata"]["name"] == "kiln-env")["data"]
+    assert int(kiln_env["KILN_NATS__REPLICAS"]) == cfg["cluster"]["replicas"], "streams replicated on every NATS server"
     users = {u["user"]: u for u in cfg["merge"]["authorization"]["users"]}
     assert sorted(users) == sorted(made)
     env = values["container"]["env"]
