@@ -6,8 +6,9 @@
 - ``bus_call_sites`` finds every such call in kiln's source, so a new consumer that
   the fuzz fixture does not start fails the test instead of going unfuzzed;
 - ``malformed(model, ...)`` is a hypothesis strategy of messages ``model`` must refuse
-  (each case is checked to be invalid before it is sent); ``draw`` takes a bounded,
-  derandomized sample of it, so every run sends the same messages.
+  (each case is checked to be invalid before it is sent); ``hostile(model)`` one of
+  valid messages with extreme values; ``draw`` takes a bounded, derandomized sample of
+  a strategy, so every run sends the same messages.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Invariants checked:
   reference included), with a reason naming the model it failed or the missing claim;
 - every malformed request gets an error reply with its reason (never a timeout), and
   a request that reached its handler's validation is dead-lettered too;
+- valid messages with extreme values (NaN, infinities, huge numbers and strings, path
+  tricks): every request still gets a reply its client can read or an error that is not
+  an unhandled exception; every work item of another run is settled, and whatever is
+  dead-lettered is refused at once with its reason, not retried until ``max_deliver``;
 - afterwards no service has crashed, each answers its health probe, and valid
   messages are still processed end to end (training steps, an evaluation, a sandbox).
 
