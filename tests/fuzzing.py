@@ -4,7 +4,8 @@
   service makes (subject, message model, queue group, call site), so the fuzz targets
   are what the services really listen to, checked against ``contracts``;
 - ``bus_call_sites`` finds every such call in kiln's source, so a new consumer that
-  the fuzz fixture does not start fails the test instead of going unfuzzed;
+  the fuzz fixture does not start fails the test instead of going unfuzzed, and
+  ``direct_subscriptions`` any service that subscribes around the bus;
 - ``malformed(model, ...)`` is a hypothesis strategy of messages ``model`` must refuse
   (each case is checked to be invalid before it is sent); ``hostile(model)`` one of
   valid messages with extreme values; ``draw`` takes a bounded, derandomized sample of
@@ -105,6 +106,19 @@ def declared_model(subject: str) -> type[c.Message] | None:
     if subject.startswith(c.HEALTH_PREFIX + ".") and len(parts) == 3:
         return c.HealthProbe
     return None
+
+
+def direct_subscriptions() -> list[str]:
+    """``file:line`` of every NATS subscription a service makes around the bus (which
+    is what dead-letters what it cannot read)."""
+    out = []
+    for src in SOURCES[1:]:
+        for path in src.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    if node.func.attr in ("subscribe", "pull_subscribe", "pull_subscribe_bind"):
+                        out.append(f"{path}:{node.lineno}")
+    return out
 
 
 def bus_call_sites() -> list[tuple[str, int, int, str]]:
@@ -232,13 +246,15 @@ def malformed(model: type[c.Message], stream: str | None, max_payload: int) -> s
         st.builds(Case, st.just("json-wrong-shape"), json_values.map(obj), hdrs),
         st.builds(Case, st.just("wrong-type"), st.builds(replaced, st.sampled_from(keys), json_values), hdrs),
         st.builds(Case, st.just("schema-version"), st.integers(-5, 2**40).filter(lambda v: v != 1).map(lambda v: replaced("schema", v)), hdrs),
-        st.builds(Case, st.just("extra-field"), st.builds(lambda k, v: obj({**base, k: v}), junk_text.filter(lambda k: k not in keys), json_values), hdrs),
+        st.builds(Case, st.just("extra-field"), st.builds(lambda k, v: obj({**base, k: v}), junk_text.filter(lambda k: k not in keys), json_values),
+                  hdrs),
         st.builds(Case, st.just("truncated"), st.integers(0, 200).map(lambda n: obj(base)[: n % max(1, len(obj(base)))]), hdrs),
         st.builds(
             Case, st.just("huge-field"),
             st.integers(100_000, 600_000).map(lambda n: obj({**base, "x" * 8: "\u00e9" * (n // 2)})), st.none() | hdrs,
         ),  # fmt: skip
-        st.builds(Case, st.just("forged-claim-missing"), st.binary(max_size=40), st.builds(lambda k: {c.HDR_CLAIM: k}, header_values.filter(str.strip))),
+        st.builds(Case, st.just("forged-claim-missing"), st.binary(max_size=40),
+                  st.builds(lambda k: {c.HDR_CLAIM: k}, header_values.filter(str.strip))),
         st.builds(
             Case, st.just("forged-claim-other"), st.just(b""), st.just({c.HDR_CLAIM: ""}),
             st.binary(max_size=200) | json_values.map(obj) | st.integers(300_000, 1_500_000).map(lambda n: b"[" + b"1," * (n // 2) + b"x]"),
@@ -247,7 +263,8 @@ def malformed(model: type[c.Message], stream: str | None, max_payload: int) -> s
     if ranged := out_of_range(model):
         kinds.append(st.builds(Case, st.just("out-of-range"), st.sampled_from(ranged).map(lambda kv: replaced(*kv)), hdrs))
     if required:
-        kinds.append(st.builds(Case, st.just("missing-field"), st.sampled_from(required).map(lambda k: obj({x: v for x, v in base.items() if x != k})), hdrs))
+        without = st.sampled_from(required).map(lambda k: obj({x: v for x, v in base.items() if x != k}))
+        kinds.append(st.builds(Case, st.just("missing-field"), without, hdrs))
     # One that fills a message to the server's limit: a copy with more headers must still fit.
     edge = Case("max-payload", b"[" + b"0," * ((max_payload - 400) // 2) + b"]", None)
 

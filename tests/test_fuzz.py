@@ -49,7 +49,10 @@ from kiln.shared.launcher import LocalPlatform
 from kiln.shared.tasks import load_suite
 from kiln.shared.tools import TOOLS
 
-from fuzzing import Case, Subscriptions, bus_call_sites, declared_model, draw, encode, hostile, hostile_text, is_valid, malformed, minimal
+from fuzzing import (
+    Case, Subscriptions, bus_call_sites, declared_model, direct_subscriptions, draw, encode, hostile, hostile_floats,
+    hostile_text, is_valid, malformed, minimal,
+)  # fmt: skip
 from harness import InProcessPlatform, experiment, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -131,6 +134,7 @@ async def test_every_consumed_subject_is_declared_and_recorded(fleet):
         if not any(f == path and first <= line <= last for f, line in hit)
     ]  # fmt: skip
     assert not missing, f"subscriptions the fuzz fixture does not start (add them to it): {missing}"
+    assert not direct_subscriptions(), f"services subscribing around the bus (no dead letters): {direct_subscriptions()}"
     kinds = Counter(s.kind for s in fleet.subs.seen)
     assert kinds["consume"] >= 7 and kinds["watch"] >= 5 and kinds["serve"] >= 10, kinds
 
@@ -299,9 +303,15 @@ async def hostile_requests(fleet: Fleet, per_subject: int) -> int:
     suite = load_suite(fleet.platform.config("learner").tasks.suite)
     live = [await pool.create(suite.tasks[0].id) for _ in range(2)]
     ids = st.sampled_from([r.sandbox_id for r in live]) | hostile_text
-    calls = st.lists(st.builds(lambda n, a: {"id": "1", "name": n, "arguments": a}, st.sampled_from(sorted(TOOLS)) | hostile_text,
-                               st.dictionaries(st.sampled_from(["path", "content", "pattern", "command", "query"]) | hostile_text, hostile_text, max_size=3)), max_size=3)  # fmt: skip
-    choices = {"sandbox_id": ids, "task_id": st.sampled_from([t.id for t in suite.tasks[:3]]) | hostile_text, "calls": calls}
+    arguments = st.dictionaries(st.sampled_from(["path", "content", "pattern", "command", "query"]) | hostile_text, hostile_text, max_size=3)
+    call = st.builds(lambda n, a: {"id": "1", "name": n, "arguments": a}, st.sampled_from(sorted(TOOLS)) | hostile_text, arguments)
+    choices = {
+        "sandbox_id": ids,
+        "task_id": st.sampled_from([t.id for t in suite.tasks[:3]]) | hostile_text,
+        "calls": st.lists(call, max_size=3),
+        # A long finite timeout on a command that waits would only measure the timeout.
+        "timeout_s": hostile_floats.filter(lambda x: not 30 < x < float("inf")),
+    }
     problems, created = [], []
     slots = asyncio.Semaphore(16)
 
@@ -438,4 +448,5 @@ async def test_fuzz_every_consumed_subject_at_length(fleet):
     n += await hostile_messages(fleet, per_subject=60)
     t2 = time.monotonic()
     await still_serving(fleet)
-    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests and work items in {t2 - t1:.1f} s; still serving checked in {time.monotonic() - t2:.1f} s")
+    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests and work items in {t2 - t1:.1f} s;"
+          f" still serving checked in {time.monotonic() - t2:.1f} s")  # fmt: skip
