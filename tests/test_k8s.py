@@ -460,13 +460,13 @@ def test_ray_overlay_launches_the_learner_through_ray(objects, registry, generat
     cluster = _docs(ray_dir / "raycluster.yaml")[0]
     pods = [cluster["spec"]["headGroupSpec"]["template"], *[g["template"] for g in cluster["spec"]["workerGroupSpecs"]]]
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0", "the head runs no rank"
+    # KubeRay puts RAY_AUTH_MODE=token and the Secret's auth_token into every Ray container.
+    assert cluster["spec"]["authOptions"]["mode"] == "token" and env["RAY_AUTH_MODE"]["value"] == "token"
+    ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": cluster["spec"]["authOptions"]["secretName"], "key": "auth_token"} and ref["key"] in made[ref["name"]]
     for pod in pods:
         rc = pod["spec"]["containers"][0]
         assert rc["image"].split(":")[0] == "kiln/learner"
-        renv = {e["name"]: e for e in rc["env"]}
-        assert renv["RAY_AUTH_MODE"]["value"] == "token"
-        ref = renv["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert ref == env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] and ref["key"] in made[ref["name"]]
         assert pod["spec"]["securityContext"]["runAsUser"] == KILN_UID and rc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kiln"
     workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]

@@ -11,7 +11,7 @@
   tokens of the metrics endpoints (and env-pool's operator API), of the weights HTTP API,
   of the dashboard;
 - ``kiln-database`` (key ``url``): the PostgreSQL URL, given, not generated;
-- ``kiln-ray`` (key ``token``): the Ray cluster's auth token (``ray/``).
+- ``kiln-ray`` (key ``auth_token``, KubeRay's name): the Ray cluster's auth token (``ray/``).
 
 ``kubectl create`` refuses to overwrite: a second run would change credentials the
 running NATS servers and pods still hold. Only the standard library: no kiln needed.
@@ -25,7 +25,7 @@ import secrets
 
 NATS_USERS = ("launcher", "env-pool", "weights", "reward", "rollout", "learner")
 """``kiln.shared.busauth``'s admin user and every service's (tests/test_k8s.py checks)."""
-TOKENS = ("kiln-metrics", "kiln-weights-http", "kiln-dashboard", "kiln-ray")
+TOKENS = ("kiln-metrics", "kiln-weights-http", "kiln-dashboard")
 
 
 def _secret(name: str, data: dict[str, str]) -> dict:
@@ -37,6 +37,8 @@ def _secret(name: str, data: dict[str, str]) -> dict:
 def generate(database_url: str) -> list[dict]:
     out = [_secret(f"kiln-nats-{u}", {"user": u, "password": secrets.token_urlsafe(24)}) for u in NATS_USERS]
     out += [_secret(name, {"token": secrets.token_hex(32)}) for name in TOKENS]  # hex: fine in any header or tool
+    # KubeRay's authOptions.secretName reads the token under this key.
+    out.append(_secret("kiln-ray", {"auth_token": secrets.token_hex(32)}))
     out.append(_secret("kiln-database", {"url": database_url}))
     return out
 
