@@ -251,13 +251,30 @@ async def fuzz(fleet: Fleet, per_subject: int) -> dict:
 async def still_serving(fleet: Fleet) -> None:
     """No service crashed, each answers its health probe, and valid work still flows:
     two more training steps (rollout, reward, learner, weights and ``kiln run``'s
-    watch in the loop), an evaluation recorded, a sandbox, a run event."""
+    watch in the loop), an evaluation recorded, a sandbox, a run event, and a valid
+    message of another run taken off each work queue the run leaves idle."""
     p, bus = fleet.platform, fleet.bus
     assert not p.failed(), p.failed()
     assert all(not r.task.done() for r in p.running), [r.instance for r in p.running if r.task.done()]
     for name in {r.name for r in p.running}:
         reply = await bus.request(f"{c.HEALTH_PREFIX}.{name}", c.HealthProbe(), c.HealthReply, timeout=30)
         assert reply.service == name
+    other = "fuzz-other-run"
+    idle = [
+        (c.ROLLOUT_RESUME, c.RolloutRequest(run_id=other, group_id="g", task_id="t", n_samples=1, dispatch_version=0, deadline=0.0)),
+        (c.ROLLOUT_ABANDONED, c.GroupAbandoned(run_id=other, group_id="g", reason="stale")),
+    ]
+    for subject, msg in idle:
+        ack = await bus.publish(subject, msg)
+
+        async def taken(ack=ack):
+            try:
+                await bus.js.get_msg(ack.stream, ack.seq)
+                return False
+            except nats.js.errors.NotFoundError:  # acked: a work queue keeps nothing done
+                return True
+
+        await wait_for(taken, 60, 0.1, f"a valid message on {subject} handled")
     pool = EnvPoolClient(bus)
     suite = load_suite(p.config("learner").tasks.suite)
     ref = await pool.create(suite.tasks[0].id)
