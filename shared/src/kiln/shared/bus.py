@@ -157,9 +157,13 @@ class Bus:
 
         refused: list[str] = []
 
+        tls_failed: list[BaseException] = []
+
         async def on_error(e):
             if isinstance(e, nats.errors.Error) and "authorization" in str(e).lower():
                 refused.append(str(e))
+            if isinstance(e, ssl.SSLError):  # nats-py reports a failed handshake here and retries
+                tls_failed.append(e)
             log.debug("NATS client error: %s", e)
 
         opts = busconnect.connect_options(settings)
@@ -183,10 +187,13 @@ class Bus:
             except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
                 if refused or time.monotonic() > deadline:
                     await nc.close()
+                    if isinstance(e, ssl.SSLError):
+                        tls_failed.append(e)
                     if refused:
                         why = f"the server refused the credential ({refused[-1]})"
-                    elif isinstance(e, ssl.SSLError) or isinstance(e.__cause__, ssl.SSLError):
-                        why = f"TLS failed ({e}): is nats.tls_ca_file the CA that signed the server's certificate?"
+                    elif tls_failed:
+                        why = (f"TLS failed ({tls_failed[-1]}): is nats.tls_ca_file the CA that signed the server's "
+                               "certificate, and does the certificate name the URL's host?")
                     else:
                         why = str(e) or type(e).__name__
                     raise ConnectionError(f"cannot connect to NATS at {busconnect.describe(settings)}: {why}") from e

@@ -13,7 +13,9 @@ service needs (its own streams, JetStream's API, request inboxes) stays allowed:
 ``server_config`` writes the ``authorization`` block of a nats-server configuration with
 one user per service and a random password each (``Credentials``); ``kiln run`` starts
 its embedded nats-server with it and hands each service process its own credential
-(``KILN_NATS__USER`` / ``KILN_NATS__PASSWORD``).
+(``KILN_NATS__USER`` / ``KILN_NATS__PASSWORD``). ``write_secrets`` writes the same as
+files for a deployment (``kiln bus credentials``: compose secrets, read by each service
+through ``nats.password_file``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from kiln.shared import contracts as c
 
@@ -60,3 +63,37 @@ def server_config(creds: Credentials) -> str:
             user["permissions"] = {"publish": {"deny": deny}}
         users.append(user)
     return "authorization " + json.dumps({"users": users}, indent=1) + "\n"
+
+
+SECRET_SERVICES = ("env-pool", "weights", "reward", "rollout", "learner")
+"""Services that get a credential in a deployment (compose); ``launcher`` is the operator's."""
+
+
+def write_secrets(out: Path, services: tuple[str, ...] = SECRET_SERVICES) -> list[Path]:
+    """Credentials as files for compose secrets: ``nats-<service>.password`` for each
+    service and the operator (``launcher``), and ``nats-auth.conf`` (the servers'
+    ``authorization`` block, included by ``deploy/nats/*.conf``).
+
+    ``out`` is made mode 700, so no other host user reaches them; the files themselves are
+    0644 because compose bind-mounts a secret with its host permissions and the services
+    run as an unprivileged user (uid 10001) that must read its own. Each container mounts
+    only its own password.
+
+    Idempotent: passwords already in ``out`` are kept (a deployment keeps working), only
+    missing ones are generated; the server block is rewritten from them."""
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    fresh = Credentials.generate(list(services))
+    users = {}
+    for name, generated in fresh.users.items():
+        f = out / f"nats-{name}.password"
+        users[name] = f.read_text().strip() if f.is_file() else generated
+    written = [_secret(out / f"nats-{name}.password", pw + "\n") for name, pw in users.items()]
+    written.append(_secret(out / "nats-auth.conf", server_config(Credentials(users))))
+    return written
+
+
+def _secret(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o644)  # readable by the container's user; the folder (700) keeps the host's out
+    return path

@@ -9,6 +9,7 @@
     kiln tasks validate [--suite SPEC] [--task ID ...] [--jobs N] [--write-valid OUT.jsonl]   run each task's tests
     kiln tasks synth --package NAME==VERSION ... | --repo DIR --out DIR [--max-per-package N] [--seed S]
     kiln tasks import --format F FILE.jsonl --repos DIR [--images DIR] --out DIR   public sets (docs/tasks.md)
+    kiln bus credentials [--out DIR] [--tls]                 NATS passwords (and TLS) as compose secrets
     kiln topology                                            streams, consumers, subjects
     kiln health --file FILE [--max-age S]                    container healthcheck
     kiln dashboard [RUN_DIR] [--db URL] [--port N]           web dashboard of runs
@@ -302,6 +303,22 @@ def cmd_env_build(a) -> int:
     return asyncio.run(build_all())
 
 
+def cmd_bus_credentials(a) -> int:
+    from pathlib import Path
+
+    from kiln.shared.busauth import write_secrets
+
+    out = Path(a.out)
+    files = write_secrets(out)
+    if a.tls:
+        from kiln.shared.devtls import write_tls
+
+        files += write_tls(out, tuple(h for h in a.hosts.split(",") if h))
+    for f in files:
+        print(f)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["chaos"]:  # its own parser (kiln.shared.chaos.monkey), options and all
@@ -359,6 +376,12 @@ def main(argv: list[str] | None = None) -> None:
     ti.add_argument("--split", default="train", help="the tasks' split")
     ti.add_argument("--timeout-s", type=float, default=300.0, help="the tasks' test timeout")
     ti.set_defaults(fn=cmd_tasks)
+    bus = sub.add_parser("bus", help="the bus's credentials").add_subparsers(dest="action", required=True)
+    bc = bus.add_parser("credentials", help="write per-service NATS passwords and the servers' authorization block (compose secrets)")
+    bc.add_argument("--out", default="deploy/secrets", help="folder (mode 600 files; existing passwords are kept)")
+    bc.add_argument("--tls", action="store_true", help="also a private CA and the NATS servers' certificate")
+    bc.add_argument("--hosts", default="nats,nats-1,nats-2,nats-3,localhost,127.0.0.1", help="names the certificate covers")
+    bc.set_defaults(fn=cmd_bus_credentials)
     topo = sub.add_parser("topology", help="print streams, consumers and subjects")
     topo.add_argument("--markdown", action="store_true", help="as the tables of docs/architecture.md")
     topo.set_defaults(fn=cmd_topology)

@@ -26,8 +26,6 @@ import asyncio
 import logging
 import time
 
-import nats.js.errors
-from nats.js import api as js_api
 from psycopg.errors import ForeignKeyViolation
 from sqlalchemy.exc import DataError, IntegrityError
 
@@ -70,13 +68,7 @@ class Scorer:
         self.scored = 0
 
     async def start(self) -> None:
-        js = self.ctx.bus.js
-        try:
-            self.logs = await js.object_store(LOGS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            self.logs = await js.create_object_store(
-                LOGS_BUCKET, config=js_api.ObjectStoreConfig(ttl=self.cfg.reward.logs_ttl_s, description="test logs")
-            )
+        self.logs = await self.ctx.bus.object_store(LOGS_BUCKET, ttl_s=self.cfg.reward.logs_ttl_s, description="test logs")
 
     async def on_trajectory(self, traj: c.Trajectory, delivery: Delivery) -> None:
         # The agent's sandbox plays no part in the score once its diff is in hand: it goes
