@@ -8,7 +8,10 @@ Invariants:
   Kubernetes secret), never both; a configured file that cannot be read fails at once;
 - TLS is on when a CA file is given or a URL says ``tls://``: the server's certificate is
   verified against ``nats.tls_ca_file`` (else the system's CAs) and must name the URL's
-  host; TLS 1.2 is the floor. There is no setting that skips verification.
+  host; TLS 1.2 is the floor. There is no setting that skips verification. A server that
+  does not demand TLS is refused by ``Bus.connect`` (nats-py upgrades only when the server
+  asks, so that check comes after the greeting: the server's ``tls {}`` block is what
+  keeps credentials off the wire in plain text).
 """
 
 from __future__ import annotations

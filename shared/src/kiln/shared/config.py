@@ -53,9 +53,9 @@ class NatsSettings(Section):
     1 is a single nats-server; 3 (or 5) a JetStream cluster on loopback, which survives
     the loss of one node (two of five) without losing a message."""
     replicas: int = Field(default=0, ge=0, le=5)
-    """Replicas of every stream and object store kiln declares (JetStream keeps each on
-    this many nodes); 0: ``cluster_size``. Set it to the node count on an external
-    cluster (compose's: 3). An existing stream with other replicas is scaled to it."""
+    """Replicas of every stream, durable consumer and object store kiln declares
+    (JetStream keeps each on this many nodes); 0: ``cluster_size``. Set it to the node
+    count on an external cluster (compose's: 3). Existing ones are scaled to it in place."""
     user: str = ""
     """This service's NATS user (an authenticated bus: ``kiln.shared.busauth``); empty: none."""
     password: str = ""
