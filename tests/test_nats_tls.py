@@ -5,9 +5,9 @@
   (``nats.password_file``) and works; without the CA it fails with a reason that names
   TLS, never falling back to plain text;
 - a client configured for TLS refuses a server that does not speak it;
-- ``kiln bus credentials`` writes what compose mounts as secrets, and a server started
-  with its configuration accepts each service's password file (and nothing without one);
-- compose's ``deploy/nats/nats.conf`` with those secrets serves kiln over TLS.
+- ``kiln bus credentials --tls`` writes what compose mounts as secrets, and compose's
+  ``deploy/nats/nats.conf`` with them serves kiln over TLS, each service by its own
+  password file.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ async def test_without_the_ca_the_connection_fails_and_says_why(tls_server):
     server, ca, password_file = tls_server
     with pytest.raises(ConnectionError, match="TLS failed .*certificate verify failed.*tls_ca_file"):
         await Bus.connect(NatsSettings(url=server.url.replace("nats://", "tls://"), user="rollout",
-                                       password_file=str(password_file), connect_timeout_s=2), "rollout")  # fmt: skip
+                                       password_file=str(password_file), connect_timeout_s=1), "rollout")  # fmt: skip
 
 
 async def test_a_tls_client_refuses_a_server_without_tls(tmp_path, tls_server):
@@ -114,45 +114,29 @@ async def test_an_unreadable_password_file_fails_at_once(tmp_path):
         await Bus.connect(NatsSettings(url="nats://127.0.0.1:1", user="rollout", password_file=str(tmp_path / "missing")), "t")
 
 
-async def test_bus_credentials_command_writes_compose_secrets(tmp_path):
-    out = tmp_path / "secrets"
-    r = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    conf = (out / "nats-auth.conf").read_text()
-    assert conf.startswith("authorization")
-    assert out.stat().st_mode & 0o077 == 0, "the secrets folder is open to other host users"
-    for name in ("env-pool", "rollout", "reward", "learner", "weights", "launcher"):
-        assert (out / f"nats-{name}.password").read_text().strip() in conf
-    # A server with that block takes a service's password file, and nobody without one.
-    server = NatsServer(tmp_path / "store", config_file=out / "nats-auth.conf").start()
-    try:
-        bus = await Bus.connect(NatsSettings(url=server.url, user="learner", password_file=str(out / "nats-learner.password")), "learner")
-        await bus.ensure_topology()
-        await bus.close()
-        with pytest.raises(ConnectionError, match="refused the credential"):
-            await Bus.connect(NatsSettings(url=server.url, user="learner", password_file=str(out / "nats-rollout.password"),
-                                           connect_timeout_s=2), "learner")  # fmt: skip
-    finally:
-        server.stop()
-    # Running it again keeps the credentials (a running deployment keeps working).
-    before = (out / "nats-rollout.password").read_text()
-    assert subprocess.run([sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(out)],
-                          capture_output=True, timeout=120).returncode == 0  # fmt: skip
-    assert (out / "nats-rollout.password").read_text() == before
-
-
-async def test_the_compose_nats_config_serves_kiln_over_tls(tmp_path):
-    """deploy/nats/nats.conf with the secrets ``kiln bus credentials --tls`` writes, started
-    for real (on loopback ports instead of the container's): a service connects by its
-    password file and the generated CA, to ``localhost`` as the host's ``kiln`` commands do."""
+async def test_kiln_bus_credentials_serve_the_compose_nats_config_over_tls(tmp_path):
+    """``kiln bus credentials --tls`` writes compose's secrets; deploy/nats/nats.conf with
+    them, started for real (on loopback ports instead of the container's), serves a service
+    that logs in with its password file and the generated CA, to ``localhost`` as the
+    host's ``kiln`` commands do; another service's password is refused."""
+    from kiln.shared.busauth import write_secrets
     from kiln.shared.embedded import _wait_port, free_port, nats_server_binary
 
     root = Path(__file__).resolve().parents[1]
     secrets = tmp_path / "run" / "secrets"
     r = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    conf = (secrets / "nats-auth.conf").read_text()
+    assert conf.startswith("authorization")
+    assert secrets.stat().st_mode & 0o077 == 0, "the secrets folder is open to other host users"
+    for name in ("env-pool", "rollout", "reward", "learner", "weights", "launcher"):
+        assert (secrets / f"nats-{name}.password").read_text().strip() in conf
+    # Writing again keeps the credentials (a running deployment keeps working).
+    before = (secrets / "nats-rollout.password").read_text()
+    write_secrets(secrets)
+    assert (secrets / "nats-rollout.password").read_text() == before
+
     etc = tmp_path / "etc" / "nats"
     etc.mkdir(parents=True)
     (etc / "nats.conf").write_text((root / "deploy" / "nats" / "nats.conf").read_text().replace('"/run/secrets/', f'"{secrets}/'))
@@ -162,17 +146,19 @@ async def test_the_compose_nats_config_serves_kiln_over_tls(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         _wait_port(port, 10, proc, "nats-server")
-        settings = NatsSettings(url=f"tls://localhost:{port}", user="learner", password_file=str(secrets / "nats-learner.password"),
-                                tls_ca_file=str(secrets / "nats-ca.crt"))  # fmt: skip
-        bus = await Bus.connect(settings, "learner")
+
+        def settings(password_of: str) -> NatsSettings:
+            return NatsSettings(url=f"tls://localhost:{port}", user="learner", password_file=str(secrets / f"nats-{password_of}.password"),
+                                tls_ca_file=str(secrets / "nats-ca.crt"), connect_timeout_s=2)  # fmt: skip
+
+        bus = await Bus.connect(settings("learner"), "learner")
         try:
             await bus.ensure_topology()
             await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id="r", version=1, step=1, parent_version=0, path="/x"))
         finally:
             await bus.close()
-        with pytest.raises(ConnectionError):  # the server demands TLS; without the CA it cannot be verified
-            await Bus.connect(NatsSettings(url=f"nats://127.0.0.1:{port}", user="learner",
-                                           password_file=str(secrets / "nats-learner.password"), connect_timeout_s=2), "learner")  # fmt: skip
+        with pytest.raises(ConnectionError, match="refused the credential"):
+            await Bus.connect(settings("rollout"), "learner")
     finally:
         proc.terminate()
         proc.wait(10)
