@@ -48,3 +48,15 @@ def test_messages_round_trip_and_validate():
         c.RunEvent.model_validate_json('{"schema": 1, "run_id": "r", "kind": "started", "surprise": 1}')
     with pytest.raises(ValidationError, match="one entry per sample"):
         c.RolloutRequest(run_id="r", group_id="g", task_id="t", n_samples=2, dispatch_version=0, deadline=0, sample_traces=["x"])
+
+
+def test_a_group_asks_for_a_bounded_number_of_samples_it_has():
+    """A worker runs a group's samples at once: one message must not ask for millions, nor
+    name samples or partials the group does not have."""
+    import pydantic
+
+    base = dict(run_id="r", group_id="g", task_id="t", dispatch_version=0, deadline=1.0)
+    c.RolloutRequest(n_samples=c.MAX_GROUP_SAMPLES, **base)
+    for bad in (dict(n_samples=c.MAX_GROUP_SAMPLES + 1), dict(n_samples=2, samples=[2]), dict(n_samples=2, samples=[-1])):
+        with pytest.raises(pydantic.ValidationError):
+            c.RolloutRequest(**base, **bad)

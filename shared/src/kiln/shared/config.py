@@ -204,7 +204,7 @@ class AlgorithmSettings(Section):
     """Optimizer steps in the run; the run ends once version ``steps`` is published."""
     groups_per_step: int = Field(default=2, ge=1)
     """Groups (tasks) in one training batch."""
-    samples_per_group: int = Field(default=4, ge=1)
+    samples_per_group: int = Field(default=4, ge=1, le=1024)
     """Rollouts per group (the G of GRPO)."""
     mode: Literal["sync", "async", "april"] = "async"
     """How generation and training overlap. ``sync``: dispatch one batch, train it, then
@@ -289,7 +289,7 @@ class EvalSettings(Section):
     """Split of the task suite evaluated."""
     max_tasks: int = 0
     """Evaluate at most this many tasks of the split (0: all), always the same ones."""
-    samples: int = 4
+    samples: int = Field(default=4, ge=0, le=1024)
     """Sampled episodes per task for pass@k (0: greedy only)."""
     k: list[int] = Field(default_factory=lambda: [1, 4])
     """pass@k reported for each k <= ``samples`` (unbiased estimator)."""

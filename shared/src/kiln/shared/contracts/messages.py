@@ -31,13 +31,18 @@ class Message(BaseModel):
         return cls.model_validate_json(data)
 
 
+MAX_GROUP_SAMPLES = 1024
+"""The most samples one message may ask for: a worker runs a group's samples at once, so
+an unbounded count in one message could exhaust its memory."""
+
+
 class RolloutRequest(Message):
     """One group of ``n_samples`` rollouts of one task, all started from the same policy version."""
 
     run_id: str
     group_id: str
     task_id: str
-    n_samples: int = Field(ge=1)
+    n_samples: int = Field(ge=1, le=MAX_GROUP_SAMPLES)
     dispatch_version: int = Field(ge=0)
     """Policy version the controller dispatched this group for; workers serve at least it."""
     deadline: float = Field(allow_inf_nan=False)
@@ -60,6 +65,10 @@ class RolloutRequest(Message):
     def _traces_match_samples(self) -> RolloutRequest:
         if self.sample_traces and len(self.sample_traces) != self.n_samples:
             raise ValueError("sample_traces must have one entry per sample")
+        if self.samples is not None and any(not 0 <= i < self.n_samples for i in self.samples):
+            raise ValueError(f"samples must be indices below n_samples ({self.n_samples})")
+        if any(not 0 <= p.sample_index < self.n_samples for p in self.partials):
+            raise ValueError(f"partials must be of samples below n_samples ({self.n_samples})")
         return self
 
 
@@ -482,7 +491,7 @@ class EvalRequest(Message):
     """The version to evaluate, as announced (the worker fetches and verifies it)."""
     task_id: str
     mode: Literal["greedy", "sampled"]
-    n_samples: int = Field(ge=1)
+    n_samples: int = Field(ge=1, le=MAX_GROUP_SAMPLES)
     temperature: float = Field(ge=0.0)
     seed: int
     deadline: float = Field(allow_inf_nan=False)
