@@ -302,6 +302,9 @@ async def check_bus(store_dir: Path, groups: dict[str, tuple[str, str | None]], 
     from kiln.shared.embedded import NatsServer
 
     report = report or Report()
+    if not (store_dir / "jetstream").is_dir():  # a cluster's stores are per node (and replicated): not read here
+        report.fail(f"no single-server JetStream store in {store_dir}: the dead-letter and dropped-log checks need one nats-server")
+        return report
     tmp = Path(tempfile.mkdtemp(prefix="kiln-chaos-js-"))
     server = None
     try:

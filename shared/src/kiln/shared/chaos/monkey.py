@@ -92,7 +92,8 @@ def _say(msg: str) -> None:
 
 def _nats_procs(platform) -> list:
     """The embedded nats-server process(es): one server, or each node of a cluster."""
-    servers = getattr(platform, "nats_servers", None) or ([platform.nats] if platform.nats is not None else [])
+    nats = platform.nats
+    servers = list(getattr(nats, "nodes", None) or ([nats] if nats is not None else []))
     return [s for s in servers if getattr(s, "proc", None) is not None]
 
 
@@ -113,7 +114,7 @@ class Monkey:
     def _victims(self, target: str) -> list[tuple[str, object]]:
         """(label, handle) of the live processes of ``target``: a service's ``Child`` or a NatsServer."""
         if target == "nats":
-            return [("nats-server", s) for s in _nats_procs(self.platform) if s.proc.poll() is None]
+            return [(getattr(s, "name", "") or "nats-server", s) for s in _nats_procs(self.platform) if s.proc.poll() is None]
         return [(ch.name, ch) for ch in self.platform.children
                 if ch.info.name == target and ch.restart_at is None and ch.proc.poll() is None]  # fmt: skip
 
