@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -146,64 +145,7 @@ class Bus:
 
     @classmethod
     async def connect(cls, settings: NatsSettings, service: str, tracer: trace.Tracer | None = None) -> Bus:
-        nc: nats.NATS | None = None
-
-        async def on_disconnect():
-            if nc is not None and not (nc.is_closed or nc.is_draining):
-                log.warning("disconnected from NATS")
-
-        async def on_reconnect():
-            log.info("reconnected to NATS")
-
-        refused: list[str] = []
-
-        tls_failed: list[BaseException] = []
-
-        async def on_error(e):
-            if isinstance(e, nats.errors.Error) and "authorization" in str(e).lower():
-                refused.append(str(e))
-            if isinstance(e, ssl.SSLError):  # nats-py reports a failed handshake here and retries
-                tls_failed.append(e)
-            log.debug("NATS client error: %s", e)
-
-        opts = busconnect.connect_options(settings)
-        deadline = time.monotonic() + settings.connect_timeout_s
-        while True:
-            nc = nats.NATS()
-            try:
-                # A server that refuses the credential makes the client retry forever: bounded here.
-                await asyncio.wait_for(nc.connect(
-                    name=service,
-                    connect_timeout=min(2.0, settings.connect_timeout_s),
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    allow_reconnect=True,
-                    disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect,
-                    error_cb=on_error,
-                    **opts,
-                ), max(0.5, deadline - time.monotonic()) + 2.0)  # fmt: skip
-                break
-            except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
-                if refused or time.monotonic() > deadline:
-                    await nc.close()
-                    if isinstance(e, ssl.SSLError):
-                        tls_failed.append(e)
-                    if refused:
-                        why = f"the server refused the credential ({refused[-1]})"
-                    elif tls_failed:
-                        why = (f"TLS failed ({tls_failed[-1]}): is nats.tls_ca_file the CA that signed the server's "
-                               "certificate, and does the certificate name the URL's host?")
-                    else:
-                        why = str(e) or type(e).__name__
-                    raise ConnectionError(f"cannot connect to NATS at {busconnect.describe(settings)}: {why}") from e
-                await asyncio.sleep(0.2)
-        if "tls" in opts and not (getattr(nc, "_server_info", None) or {}).get("tls_required"):
-            # nats-py upgrades only when the server asks: a server without TLS must not pass
-            # for one where the operator configured TLS.
-            await nc.close()
-            raise ConnectionError(f"NATS at {settings.url} does not speak TLS, but nats.tls_* / tls:// asks for it")
-        return cls(nc, settings, service, tracer)
+        return cls(await busconnect.open_connection(settings, service), settings, service, tracer)
 
     async def close(self) -> None:
         for sub in self._subs:
@@ -384,7 +326,7 @@ class Bus:
         order = (*before, spec)
         subs = []
         for sp in order:
-            await self.ensure_consumer(sp)
+            await self._until_available(f"consumer {sp.durable}", lambda sp=sp: self.ensure_consumer(sp))
             subs.append((sp, await self.js.pull_subscribe_bind(durable=sp.durable, stream=sp.stream), self.ack_wait(sp)))
         if ready is not None:
             ready.set()
