@@ -193,3 +193,15 @@ def test_a_run_on_a_three_node_cluster_survives_killed_nodes(tmp_path):
     groups = re.search(r"policy versions stored \(0\.\.4\), groups: (.*)", text).group(1).split("; ")[0]
     assert "trained" in groups and all(re.fullmatch(r"\d+ (trained|dropped \(\w+\))", g) for g in groups.split(", ")), text
     assert "FAILED" not in text and "Traceback" not in text
+
+
+def test_cluster_settings_from_the_environment(monkeypatch):
+    from kiln.shared.config import ServiceConfig, load_config
+
+    monkeypatch.setenv("KILN_NATS__CLUSTER_SIZE", "3")  # as compose and Kubernetes give it: a string
+    assert load_config(ServiceConfig, None).nats.stream_replicas == 3
+    monkeypatch.setenv("KILN_NATS__REPLICAS", "1")
+    assert load_config(ServiceConfig, None).nats.stream_replicas == 1
+    monkeypatch.setenv("KILN_NATS__CLUSTER_SIZE", "2")
+    with pytest.raises(Exception, match="1, 3 or 5"):
+        load_config(ServiceConfig, None)

@@ -48,9 +48,9 @@ class NatsSettings(Section):
     url: str = "nats://127.0.0.1:4222"
     """NATS server URL, comma-separated for a cluster (every node: a client fails over
     between them); ``tls://`` URLs demand TLS (see ``tls_ca_file``)."""
-    cluster_size: Literal[1, 3, 5] = 1
+    cluster_size: int = 1
     """Nodes of the embedded NATS cluster ``kiln run`` starts (``local.embedded_nats``):
-    1 is a single nats-server; 3 (or 5) a JetStream cluster on loopback, which survives
+    1 is a single nats-server; 3 or 5 a JetStream cluster on loopback, which survives
     the loss of one node (two of five) without losing a message."""
     replicas: int = Field(default=0, ge=0, le=5)
     """Replicas of every stream, durable consumer and object store kiln declares
@@ -92,6 +92,8 @@ class NatsSettings(Section):
             raise ValueError("nats.password and nats.password_file are both set: give one")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("nats.tls_cert_file and nats.tls_key_file go together")
+        if self.cluster_size not in (1, 3, 5):  # a JetStream cluster needs an odd majority
+            raise ValueError(f"nats.cluster_size is {self.cluster_size}: 1, 3 or 5")
         return self
 
     @property
