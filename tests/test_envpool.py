@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -348,3 +349,47 @@ async def test_diff_against_the_task(envpool, bus):
     assert "diff --git a/calc.py b/calc.py" in d.patch and "+    return a + b" in d.patch
     assert "deleted file mode 100644" in d.patch and "new file mode 120000" in d.patch
     assert "GIT binary patch" in d.patch and "diff --git a/new/n.py b/new/n.py" in d.patch
+
+
+async def test_a_long_call_to_a_node_that_died_or_restarted_ends_at_once(envpool, bus, run_dir):
+    """A call waiting on a node that dies is ended by the client's probe (``node_gone``),
+    and a sandbox made by an earlier boot of its node is known dead (``node_restarted``),
+    instead of each waiting out its call's whole timeout (300 s here, past the test's)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pool = EnvPoolClient(bus, probe_s=0.5)
+    ref = await pool.create("fix-calc")
+    assert ref.boot and ref.boot == (await pool.stats(ref.node_id)).boot
+    with pytest.raises(RemoteError) as e:
+        await pool.exec(ref.model_copy(update={"boot": "an-earlier-boot"}), "sleep 300", 300)
+    assert e.value.code == "node_restarted"
+    await pool.destroy(ref)
+
+    exp = envpool.experiment_file
+    other = subprocess.Popen(
+        [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "doomed", "--set", 'envpool.node_id="doomed"'],
+        stdout=open(run_dir / "doomed.log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, "KILN_CONFIG": str(exp)},
+    )  # fmt: skip
+    try:
+        async def up():
+            try:
+                return (await pool.stats("doomed")).node_id == "doomed"
+            except RemoteError:
+                return False
+
+        await wait_for(up, 60, 0.2, "the doomed env-pool process")
+        while (doomed := await pool.create("fix-calc")).node_id != "doomed":
+            await pool.destroy(doomed)
+        root = Path((await pool.stats("doomed")).workspace_root)
+        call = asyncio.create_task(pool.exec(doomed, "touch started-by-the-call; sleep 300", 300))
+        await wait_for(lambda: any(root.rglob("started-by-the-call")) or call.done(), 60, 0.1, "the call to start")
+        other.send_signal(signal.SIGKILL)
+        with pytest.raises(RemoteError) as e:
+            await call
+        assert e.value.code == "node_gone", e.value
+    finally:
+        other.kill()
+        await asyncio.to_thread(other.wait, 30)

@@ -4,18 +4,33 @@
 owns the sandbox (``SandboxRef.node_id``). Failures raise ``RemoteError`` with the
 service's code (``pool_exhausted``, ``not_found``, ``unknown_task``, ``timeout``,
 ``no_responders``): callers treat them as infrastructure errors, not as the agent's.
+
+A long call (``exec``, ``tools``) to a node that dies does not wait out its timeout (a
+test run's 40 s, a turn's tools): every ``probe_s`` while it waits, the client asks the
+node for its ``stats``; no node serving (``node_gone``) or a node of another boot than
+the one that made the sandbox (``node_restarted``: its sandboxes died with the old
+process) ends the call at once. A node that is merely slow to answer the probe is left
+to its call's own timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import Awaitable, TypeVar
+
 from kiln.shared import contracts as c
-from kiln.shared.bus import Bus
+from kiln.shared.bus import Bus, RemoteError
+
+T = TypeVar("T")
+
+PROBE_S = 5.0
 
 
 class EnvPoolClient:
-    def __init__(self, bus: Bus, timeout_s: float | None = None):
+    def __init__(self, bus: Bus, timeout_s: float | None = None, probe_s: float = PROBE_S):
         self.bus = bus
         self.timeout_s = timeout_s
+        self.probe_s = probe_s
 
     async def create(
         self, task_id: str, *, run_id: str = "", ttl_s: float = 900.0, snapshot_key: str | None = None
@@ -55,21 +70,53 @@ class EnvPoolClient:
         return await self.bus.request(c.envpool_node_subject(ref.node_id, op), msg, reply, timeout=self.timeout_s)
 
     async def exec(self, ref: c.SandboxRef, command: str, timeout_s: float) -> c.ExecResult:
-        return await self.bus.request(
+        return await self._watched(ref, self.bus.request(
             c.envpool_node_subject(ref.node_id, "exec"),
             c.SandboxExec(sandbox_id=ref.sandbox_id, command=command, timeout_s=timeout_s),
             c.ExecResult,
             timeout=timeout_s + 10.0,
-        )
+        ))  # fmt: skip
 
     async def tools(self, ref: c.SandboxRef, calls: list[c.ToolCall], timeout_s: float = 120.0) -> list[c.ToolResult]:
-        r = await self.bus.request(
+        r = await self._watched(ref, self.bus.request(
             c.envpool_node_subject(ref.node_id, "tools"),
             c.SandboxTools(sandbox_id=ref.sandbox_id, calls=calls),
             c.ToolResults,
             timeout=timeout_s,
-        )
+        ))  # fmt: skip
         return r.results
+
+    async def _watched(self, ref: c.SandboxRef, call: Awaitable[T]) -> T:
+        """``call``, ended early with ``RemoteError`` when the sandbox's node dies meanwhile."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.probe_s)
+                if done:
+                    return task.result()
+                await self._probe(ref)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _probe(self, ref: c.SandboxRef) -> None:
+        stats = None
+        for attempt in range(2):  # the second rules out a subscription being renewed after a reconnect
+            try:
+                stats = await self.bus.request(c.envpool_node_subject(ref.node_id, "stats"), c.NodeStatsRequest(), c.NodeStats,
+                                               timeout=self.probe_s)  # fmt: skip
+                break
+            except RemoteError as e:
+                if e.code != "no_responders":
+                    return  # slow or busy: the call's own timeout decides
+                if attempt:
+                    raise RemoteError("node_gone", f"env-pool node {ref.node_id} died with sandbox {ref.sandbox_id}") from None
+                await asyncio.sleep(1.0)
+            except Exception:  # the bus itself is reconnecting: not evidence about the node
+                return
+        if stats is not None and ref.boot and stats.boot and stats.boot != ref.boot:
+            raise RemoteError("node_restarted", f"env-pool node {ref.node_id} restarted: sandbox {ref.sandbox_id} died with it")
 
     async def destroy(self, ref: c.SandboxRef) -> bool:
         return (await self._node(ref, "destroy", c.SandboxDestroy(sandbox_id=ref.sandbox_id))).existed

@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from kiln.envpool import bwrap, overlay
@@ -143,6 +144,7 @@ async def serve(ctx: ServiceContext) -> None:
     cfg: EnvPoolConfig = ctx.config  # type: ignore[assignment]
     s = cfg.envpool
     node_id = s.node_id or ctx.instance
+    boot = uuid.uuid4().hex[:16]  # sandboxes do not outlive their process: a restart is a new boot
     root = workspace_root(s, cfg.run.dir, node_id)
     root.mkdir(parents=True, exist_ok=True)
     launcher = Launcher()
@@ -184,7 +186,7 @@ async def serve(ctx: ServiceContext) -> None:
     def created(sb, t0: float) -> c.SandboxCreated:
         metrics.create_seconds.observe(time.monotonic() - t0)
         metrics.created.inc()
-        return c.SandboxCreated(sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id), workspace=str(sb.workspace))
+        return c.SandboxCreated(sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id, boot=boot), workspace=str(sb.workspace))
 
     async def on_create(req: c.SandboxCreate) -> c.SandboxCreated:
         t0 = time.monotonic()
@@ -240,6 +242,7 @@ async def serve(ctx: ServiceContext) -> None:
             created_total=pool.created_total,
             reaped_total=pool.reaped_total,
             http_url=http_url,
+            boot=boot,
             workspace_root=str(root),
         )
 

@@ -108,6 +108,8 @@ class NodeStats(Message):
     created_total: int
     reaped_total: int
     http_url: str = ""
+    boot: str = ""
+    """This node process's random id (each start has its own; ``SandboxRef.boot``)."""
     workspace_root: str = ""
     """This node process's own folder (``<base>/<node id>-<pid>``): templates, ``ws/``
     with every workspace, and the files bwrap binds into sandboxes."""

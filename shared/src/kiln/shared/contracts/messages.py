@@ -100,6 +100,9 @@ class ChatMessage(Message):
 class SandboxRef(Message):
     node_id: str
     sandbox_id: str
+    boot: str = ""
+    """The env-pool process that made it (``NodeStats.boot``): a node restarted under the
+    same id has another, and none of its predecessor's sandboxes. Empty: unknown."""
 
 
 class SandboxDiff(Message):
