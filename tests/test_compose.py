@@ -261,7 +261,7 @@ def test_kiln_service_waits_for_healthy_nats(compose, folder):
     assert (_service(compose, "nats").get("healthcheck") or {}).get("test"), "nats has no healthcheck to be healthy by"
     nats_url = _env(_service(compose, folder)).get("KILN_NATS__URL", "")
     assert urlsplit(nats_url).hostname == "nats", (
-        f"compose service {folder!r}: KILN_NATS__URL is {nats_url!r}, expected the nats service (nats://nats:4222)"
+        f"compose service {folder!r}: KILN_NATS__URL is {nats_url!r}, expected the nats service (tls://nats:4222)"
     )
 
 
