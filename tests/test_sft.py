@@ -143,6 +143,7 @@ def test_warm_start_refuses_a_tool_set_without_the_demonstrated_tools():
         warm_start(model, TOK, SUITE.split("train"), steps=1, lr=1e-3, batch=1, seed=0, tools=["read_file", "grep"])
 
 
+@pytest.mark.slow  # 75 s on 2 cores; the default tier runs the warm start's bench (tests/test_bench.py)
 @pytest.mark.timeout(300)
 def test_warm_start_teaches_a_fresh_policy_the_tool_format():
     torch.manual_seed(0)
