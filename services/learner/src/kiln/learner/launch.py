@@ -57,6 +57,48 @@ class _Rank:
         return fn(*args, **kwargs)
 
 
+def _placed_ranks(n: int, cpus_per_rank: float, gpus_per_rank: float, strategy: str) -> tuple[list, Any, list, list]:
+    """``n`` rank actors, one per bundle of a placement group of ``n`` bundles: (actors,
+    placement group, each actor's (node id, IP), each actor's (LOCAL_RANK,
+    LOCAL_WORLD_SIZE) among the actors on its node). On failure nothing is left behind."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+    pg = placement_group([bundle] * n, strategy=strategy)
+    actors: list = []
+    try:
+        ray.get(pg.ready(), timeout=300)
+        actor = ray.remote(_Rank)
+        actors = [
+            actor.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(n)
+        ]
+        nodes = ray.get([a.node.remote() for a in actors])
+    except BaseException:
+        _release(actors, pg)
+        raise
+    by_node: dict[str, list[int]] = {}
+    for i, (node_id, _) in enumerate(nodes):
+        by_node.setdefault(node_id, []).append(i)
+    local = [(by_node[node_id].index(i), len(by_node[node_id])) for i, (node_id, _) in enumerate(nodes)]
+    return actors, pg, nodes, local
+
+
+def _release(actors: list, pg: Any) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for a in actors:
+        ray.kill(a)
+    remove_placement_group(pg)
+
+
 def ray_launch(
     fn: Callable,
     world: int,
@@ -71,41 +113,21 @@ def ray_launch(
     """Run ``fn(*args, **kwargs)`` on ``world`` ranks of the connected Ray cluster
     (``ray.init`` first); returns each rank's result, rank order."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-    pg = placement_group([bundle] * world, strategy=strategy)
-    ray.get(pg.ready(), timeout=300)
-    actor = ray.remote(_Rank)
-    ranks = [
-        actor.options(
-            num_cpus=cpus_per_rank,
-            num_gpus=gpus_per_rank,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote()
-        for i in range(world)
-    ]
+    ranks, pg, nodes, local = _placed_ranks(world, cpus_per_rank, gpus_per_rank, strategy)
     try:
-        nodes = ray.get([r.node.remote() for r in ranks])
         master_ip, port = nodes[0][1], ray.get(ranks[0].free_port.remote())
-        local: dict[str, list[int]] = {}
-        for i, (node_id, _) in enumerate(nodes):
-            local.setdefault(node_id, []).append(i)
         calls = []
         for i, r in enumerate(ranks):
-            peers = local[nodes[i][0]]
             rank_env = {
                 **(env or {}),
-                "RANK": str(i), "WORLD_SIZE": str(world), "LOCAL_RANK": str(peers.index(i)),
-                "LOCAL_WORLD_SIZE": str(len(peers)), "MASTER_ADDR": master_ip, "MASTER_PORT": str(port),
+                "RANK": str(i), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local[i][0]),
+                "LOCAL_WORLD_SIZE": str(local[i][1]), "MASTER_ADDR": master_ip, "MASTER_PORT": str(port),
             }  # fmt: skip
             calls.append(r.run.remote(fn, rank_env, args, kwargs or {}))
         return ray.get(calls)
     finally:
-        for r in ranks:
-            ray.kill(r)
-        remove_placement_group(pg)
+        _release(ranks, pg)
 
 
 def _free_port() -> int:
@@ -134,14 +156,11 @@ class RayRanks:
         not wait), then remove the actors and the placement group; raises the first
         rank's error."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         try:
             return ray.get(self.refs, timeout=timeout) if timeout > 0 else []
         finally:
-            for a in self.actors:
-                ray.kill(a)
-            remove_placement_group(self.pg)
+            _release(self.actors, self.pg)
 
 
 def ray_followers(
@@ -162,41 +181,20 @@ def ray_followers(
     machine's IP as Ray sees it). Returns without waiting: the ranks meet in
     ``init_process_group`` once rank 0 joins."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if world < 2:
         raise ValueError(f"a world of {world} rank(s) has no followers")
     addr = master_addr or ray.util.get_node_ip_address()
     port = master_port or _free_port()
     base = {**(env or {}), "WORLD_SIZE": str(world), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-    bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-    pg = placement_group([bundle] * (world - 1), strategy=strategy)
-    actors: list = []
+    actors, pg, _, local = _placed_ranks(world - 1, cpus_per_rank, gpus_per_rank, strategy)
     try:
-        ray.get(pg.ready(), timeout=300)
-        actor = ray.remote(_Rank)
-        actors = [
-            actor.options(
-                num_cpus=cpus_per_rank,
-                num_gpus=gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote()
-            for i in range(world - 1)
+        refs = [
+            a.run.remote(fn, {**base, "RANK": str(i + 1), "LOCAL_RANK": str(local[i][0]), "LOCAL_WORLD_SIZE": str(local[i][1])}, args, {})
+            for i, a in enumerate(actors)
         ]
-        nodes = ray.get([a.node.remote() for a in actors])
-        local: dict[str, list[int]] = {}
-        for i, (node_id, _) in enumerate(nodes):
-            local.setdefault(node_id, []).append(i)
-        refs = []
-        for i, a in enumerate(actors):
-            peers = local[nodes[i][0]]
-            rank_env = {**base, "RANK": str(i + 1), "LOCAL_RANK": str(peers.index(i)), "LOCAL_WORLD_SIZE": str(len(peers))}
-            refs.append(a.run.remote(fn, rank_env, args, {}))
     except BaseException:
-        for a in actors:
-            ray.kill(a)
-        remove_placement_group(pg)
+        _release(actors, pg)
         raise
     own = {**(env or {}), **base, "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     os.environ.update(own)
