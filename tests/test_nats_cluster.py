@@ -165,34 +165,18 @@ def test_a_run_on_a_three_node_cluster_survives_killed_nodes(tmp_path):
     """``kiln run`` with ``nats.cluster_size = 3`` (authenticated bus): SIGKILL one node
     after version 1 and another after version 2; each is restarted, the run finishes and
     every group is accounted for once: trained, or dropped with its reason."""
-    import re
     import signal
-    import subprocess
 
-    from test_supervision import KILN, REPO, Output, pids_with
+    from test_supervision import assert_every_group_accounted, pids_with, smoke_run
 
-    proc = subprocess.Popen([*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={tmp_path}",
-                             "--set", "algorithm.steps=4", "--set", "nats.cluster_size=3"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    out = Output(proc)
-    try:
-        run_dir = out.wait(r"results in (\S+)").group(1)
+    with smoke_run(tmp_path, "nats.cluster_size=3") as (out, run_dir):
         out.wait(r"a 3-node NATS cluster with JetStream \(3 replicas per stream\)")
         for version, node in ((1, "nats-1"), (2, "nats-2")):
             out.wait(rf"version {version}/4:")
             (pid,) = pids_with("nats-server", f"{run_dir}/nats/{node} ")
             os.kill(pid, signal.SIGKILL)
             out.wait(rf"nats-server {node} exited with code -9; restarting it")
-        out.wait(r"run \S+ finished: 5 policy versions stored")
-        assert proc.wait(120) == 0, "".join(out.lines)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
-    text = "".join(out.lines)
-    groups = re.search(r"policy versions stored \(0\.\.4\), groups: (.*)", text).group(1).split("; ")[0]
-    assert "trained" in groups and all(re.fullmatch(r"\d+ (trained|dropped \(\w+\))", g) for g in groups.split(", ")), text
-    assert "FAILED" not in text and "Traceback" not in text
+    assert_every_group_accounted(out)
 
 
 def test_cluster_settings_from_the_environment(monkeypatch):
