@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from harness import InProcessPlatform, experiment, wait_for
-from test_learner_resume import LR, STEPS, one_run
+from test_learner_resume import STEPS, assert_trains_like_one, one_run
 
 ray = pytest.importorskip("ray")
 
@@ -109,11 +108,7 @@ async def test_ray_launched_learner_trains_like_one_process(tmp_path, nats_serve
     assert logs.count("rank 1 of 2 following rank 0") == 2, logs[-3000:]
     assert "restored the learner's state" in logs
     assert run.status == "finished" and len([g for g in groups if g.status == "trained"]) == STEPS * 2
-    start = load_file(str(tmp_path / "a" / "weights" / "resume-a" / "v000000" / "model.safetensors"))
-    for k in single:
-        moved, off = (single[k] - start[k]).norm().item(), (single[k] - multi[k]).norm().item()
-        assert off <= 1e-3 * moved, (k, off, moved)
-        assert (single[k] - multi[k]).abs().max().item() < 0.05 * LR, k
+    assert_trains_like_one(single, multi, tmp_path / "a")
     # The killed learner's actor and the finished one's placement group are gone.
     await wait_for(lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again")
 
