@@ -6,6 +6,15 @@ responder on ``kiln.health.<service>``, a liveness file for container healthchec
 and a ``stop`` event set by SIGTERM/SIGINT that the service body watches to drain
 its work. The body returns when it has finished; errors propagate and fail the
 process (a supervisor restarts it; unacked work is redelivered).
+
+Invariant: the first SIGTERM or SIGINT sets ``stop``, however loaded the process is
+(``StopSignals``). asyncio's ``loop.add_signal_handler`` cannot promise that: it learns
+which signal came from a byte in the loop's self-pipe, which every
+``call_soon_threadsafe`` (each ``asyncio.to_thread`` completion) also writes to; 278
+wake-ups queued while the loop is busy fill it on Linux, the signal's byte is dropped
+("Exception ignored when trying to write to the signal wakeup fd: BlockingIOError") and
+its handler never runs (an env-pool node lived on 17 minutes after a SIGTERM that came
+while it destroyed 1,000 sandboxes).
 """
 
 from __future__ import annotations
@@ -87,6 +96,98 @@ class ServiceFailed(RuntimeError):
     """Raised out of ``run_service`` after ``ServiceContext.fail``: the process exits non-zero."""
 
 
+class StopSignals:
+    """Calls ``on_signal(signum)`` on ``loop`` for each SIGTERM/SIGINT, never losing one.
+
+    A Python-level handler (``signal.signal``: the interpreter runs it in the main thread
+    whatever the self-pipe holds) queues the call with ``call_soon_threadsafe``, which
+    puts it in the loop's ready queue before it writes its wake-up byte: a full pipe
+    loses the byte, never the call (a full pipe is readable, so the loop wakes anyway).
+    What remains is waking the main thread when the kernel delivers the signal to another
+    thread, or just before the loop blocks in ``epoll_wait``: a wakeup fd of our own
+    (read only here, so it never fills; ``warn_on_full_buffer=False`` all the same) wakes
+    it at once, and a timer every ``poll_s`` bounds the wait should another library own
+    the process's one wakeup fd. ``close`` restores the handlers and wakeup fd it replaced.
+    Main thread only (the only thread Python lets install signal handlers)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], None],
+                 signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), poll_s: float = 0.5) -> None:  # fmt: skip
+        self.loop = loop
+        self.on_signal = on_signal
+        self.signals = tuple(signals)
+        self.poll_s = poll_s
+        self.received: list[int] = []
+        """Every signal the handler saw, in order (appended in the handler itself)."""
+        self._delivered = 0
+        self._previous: dict[int, object] = {}
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def install(self) -> "StopSignals":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        previous = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        if previous != -1:
+            # Someone else's (an asyncio loop's self-pipe, say): it stays, as it already wakes
+            # their loop; replacing it would silence their handlers. The timer bounds ours.
+            signal.set_wakeup_fd(previous)
+            r.close()
+            w.close()
+        else:
+            self._wake = (r, w)
+            self.loop.add_reader(r.fileno(), self._drain)
+        self._timer = self.loop.call_later(self.poll_s, self._poll)
+        return self
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+        if self._wake is not None:
+            r, w = self._wake
+            current = signal.set_wakeup_fd(-1)
+            if current != w.fileno():  # somebody set theirs since: it stays
+                signal.set_wakeup_fd(current)
+            self.loop.remove_reader(r.fileno())
+            r.close()
+            w.close()
+            self._wake = None
+
+    def _handler(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nothing is left to stop
+            pass
+
+    def _deliver(self) -> None:
+        """Calls ``on_signal`` once per received signal, whichever of the handler's call and
+        the timer comes first. Loop thread only; the handler may append meanwhile (what it
+        appends after the slice is delivered by the call it queued)."""
+        new = self.received[self._delivered :]
+        self._delivered += len(new)
+        for sig in new:
+            self.on_signal(sig)
+
+    def _drain(self) -> None:
+        assert self._wake is not None
+        try:
+            while self._wake[0].recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _poll(self) -> None:
+        self._deliver()
+        self._timer = self.loop.call_later(self.poll_s, self._poll)
+
+
 def default_instance(name: str) -> str:
     return f"{name}-{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}".replace(".", "-")
 
@@ -108,10 +209,18 @@ async def run_service(
         name, config.telemetry, instance=instance, extra_exporters=extra_exporters, set_global=set_global_telemetry
     )
     stop = stop or asyncio.Event()
+    signals = None
     if install_signals:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+
+        def on_signal(signum: int) -> None:
+            name_ = signal.Signals(signum).name
+            if stop.is_set():
+                log.warning("%s: %s while stopping; still draining", instance, name_)
+            else:
+                log.info("%s: %s, stopping", instance, name_)
+            stop.set()
+
+        signals = StopSignals(asyncio.get_running_loop(), on_signal).install()
     bus = None
     beat = None
     metrics_stop, metrics_task = asyncio.Event(), None
@@ -155,6 +264,8 @@ async def run_service(
         if bus:
             await bus.close()
         tel.shutdown()
+        if signals is not None:
+            signals.close()
 
 
 def metrics_app(registry, token: str):

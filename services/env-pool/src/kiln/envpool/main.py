@@ -5,6 +5,14 @@ sandbox, from a task or from a snapshot) and ``kiln.envpool.node.<node_id>.<op>`
 what only the owner can do (exec, tools, fork, snapshot, renew, destroy, stats), plus
 the operator HTTP API. With the ``bwrap`` backend the node refuses to start when
 bubblewrap cannot run here; the ``process`` backend must be chosen explicitly.
+
+Stopping (SIGTERM/SIGINT, ``ServiceContext.stop``): from the first signal on, creates
+and forks are refused (``node_stopping``, an infrastructure error to the caller), the
+sandboxes being built are waited for, then every sandbox is destroyed (its commands
+killed: their calls get the killed result) and the node's folder and cgroups removed,
+and the process exits 0. Without the refusal a create served during the close built a
+sandbox in a folder and cgroup being removed, and the node exited 1 with its workspaces
+left behind (tests/test_shutdown.py).
 """
 
 from __future__ import annotations
@@ -188,7 +196,12 @@ async def serve(ctx: ServiceContext) -> None:
         metrics.created.inc()
         return c.SandboxCreated(sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id, boot=boot), workspace=str(sb.workspace))
 
+    def refuse_when_stopping() -> None:
+        if ctx.stop.is_set():
+            raise ServiceError(f"env-pool node {node_id} is stopping", "node_stopping")
+
     async def on_create(req: c.SandboxCreate) -> c.SandboxCreated:
+        refuse_when_stopping()
         t0 = time.monotonic()
         trace.get_current_span().set_attribute("task_id", req.task_id)  # on the request's own span
         try:
@@ -200,6 +213,7 @@ async def serve(ctx: ServiceContext) -> None:
         return created(sb, t0)
 
     async def on_fork(req: c.SandboxFork) -> c.SandboxCreated:
+        refuse_when_stopping()
         t0 = time.monotonic()
         trace.get_current_span().set_attribute("sandbox_id", req.sandbox_id)
         return created(await pool.fork(req.sandbox_id, req.ttl_s or s.default_ttl_s), t0)
@@ -269,6 +283,11 @@ async def serve(ctx: ServiceContext) -> None:
             await pool.refill()
             ctx.health_detail.update(leased=len(pool.leases), idle=pool.idle, creating=pool.creating, live=len(pool.leases))
     finally:
+        ctx.stop.set()  # also when the loop above raised: creates are refused from here on
+        if pool.creating:
+            log.info("stopping: waiting for %d sandbox(es) being built", pool.creating)
+        while pool.creating:  # each ends as a lease or warm sandbox, which close destroys
+            await asyncio.sleep(0.05)
         await pool.close()
         await launcher.close()
         if http_task is not None:
