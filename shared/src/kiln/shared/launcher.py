@@ -286,9 +286,9 @@ class LocalPlatform:
         _say(f"run {cfg.run.id}: {cfg.algorithm.steps} steps of {cfg.algorithm.groups_per_step} groups x "
              f"{cfg.algorithm.samples_per_group} samples; results in {run_dir}")
         interrupted = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: (interrupted.set(), self.finished.set()))
+        from kiln.shared.service import StopSignals  # never lost under load, unlike loop.add_signal_handler
+
+        signals = StopSignals(asyncio.get_running_loop(), lambda _sig: (interrupted.set(), self.finished.set())).install()
         bus = None
         dashboard, dashboard_stop = None, asyncio.Event()
         try:
@@ -330,6 +330,7 @@ class LocalPlatform:
                 self.pg.stop()
             if self.nats:
                 self.nats.stop()
+            signals.close()
         if interrupted.is_set():
             _say("interrupted")
             return 130

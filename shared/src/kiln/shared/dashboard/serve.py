@@ -5,7 +5,6 @@ PostgreSQL on its own data folder when that is where the run wrote)."""
 from __future__ import annotations
 
 import asyncio
-import signal
 from pathlib import Path
 
 from kiln.shared.config import load_toml
@@ -59,12 +58,15 @@ def run_dashboard(target: str | None, db_url: str | None, host: str, port: int, 
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        url, task = await serve_dashboard(db_url, host, port, token, stop, traces_dir=traces)
-        print(f"dashboard: {url}/  (Ctrl-C stops it)", flush=True)
-        await task
+        from kiln.shared.service import StopSignals  # never lost under load, unlike loop.add_signal_handler
+
+        signals = StopSignals(asyncio.get_running_loop(), lambda _sig: stop.set()).install()
+        try:
+            url, task = await serve_dashboard(db_url, host, port, token, stop, traces_dir=traces)
+            print(f"dashboard: {url}/  (Ctrl-C stops it)", flush=True)
+            await task
+        finally:
+            signals.close()
 
     try:
         asyncio.run(main())
