@@ -1,5 +1,7 @@
-"""What several benchmarks start: a nats-server and an env-pool node (its own process,
-bwrap sandboxes) serving a suite, and a bus client, until the block ends."""
+"""What several benchmarks share: a nats-server and an env-pool node (its own process,
+bwrap sandboxes) serving a suite, and a bus client, until the block ends; and the way a
+bench stops its children, so that one stuck child never costs the bench its results.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +11,39 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings, render_toml
 from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
+
+
+STOP_GRACE_S = 30.0
+"""How long children get, all together, to exit after SIGTERM before they are SIGKILLed."""
+
+
+def stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_GRACE_S) -> list[str]:
+    """SIGTERM every child still running, wait up to ``grace_s`` in all, SIGKILL the rest.
+    Returns one line per child that did not stop cleanly (killed, or a non-zero exit),
+    naming it, for the bench to print beside its table; never raises for a child."""
+    for p in children.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    notes = []
+    for name, p in children.items():
+        try:
+            code = p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            notes.append(f"{name} (pid {p.pid}) was still running {grace_s:.0f} s after SIGTERM: killed with SIGKILL")
+            continue
+        if code != 0:
+            notes.append(f"{name} (pid {p.pid}) exited with code {code} after SIGTERM")
+    return notes
 
 
 @contextlib.asynccontextmanager
@@ -40,6 +69,6 @@ async def envpool_node(suite: str, probe_task: str, name: str, **envpool):
     finally:
         if bus is not None:
             await bus.close()
-        node.send_signal(signal.SIGTERM)
-        node.wait(30)
+        for note in stop_children({f"env-pool node {name}": node}):
+            print(note, file=sys.stderr, flush=True)
         nats.stop()

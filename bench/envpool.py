@@ -1,6 +1,6 @@
 """env-pool latency and capacity, side by side in one run on this machine.
 
-    .venv/bin/python bench/envpool.py [--n 300] [--concurrency 8] [--idle 1000] [--nodes 1]
+    .venv/bin/python bench/envpool.py [--n 300] [--concurrency 8] [--idle 1000] [--nodes 1] [--stop-grace 30]
 
 (a) bare ``subprocess`` run of ``true``; (b) bare ``bwrap ... true`` with the sandbox's own
 arguments; (c) env-pool create -> one ``run_terminal_cmd`` -> destroy over NATS (the full
@@ -9,7 +9,10 @@ time for lifecycles per second; (d) one ``read_file`` round trip on a live sandb
 ``--idle`` sandboxes leased and held at once, with the node's memory (RSS of env-pool
 and nats-server, plus the cgroups' and tmpfs's use) measured while they are held.
 Everything runs against a real nats-server and a real env-pool node (its own process).
-Prints a markdown table.
+Prints a markdown table, whatever happens: a failed step prints the rows measured before
+it and the error (then exits non-zero), and a node that does not stop within
+``--stop-grace`` seconds of SIGTERM is SIGKILLed and named under the table (exit status 2:
+the figures stand, the node's shutdown is a defect).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,8 @@ from kiln.shared.envpool_client import EnvPoolClient
 
 from kiln.envpool.config import EnvPoolConfig
 from kiln.envpool.sandbox import Identity, Limits
+
+from common import STOP_GRACE_S, stop_children
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -74,7 +78,7 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
+async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: float) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-envpool-"))
     nats = NatsServer(tmp / "nats").start()
     exp = tmp / "exp.toml"
@@ -95,10 +99,14 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         )
         for i in range(1, nodes)
     ]  # fmt: skip
-    bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
-    pool = EnvPoolClient(bus)
-    rows = []
-    try:  # from here on the nodes are stopped whatever happens (a failed wait included)
+    children = {"env-pool node bench": node, **{f"env-pool node bench{i}": p for i, p in enumerate(extra, 1)}}
+    rows: list[str] = []
+    notes: list[str] = []  # the lines under the table, as they are measured
+    error: BaseException | None = None
+    bus = None
+    try:  # from here on the nodes are stopped and the table printed whatever happens
+        bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
+        pool = EnvPoolClient(bus)
         for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]:
             for attempt in range(300):
                 try:
@@ -165,7 +173,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
         me1 = os.times()
         after = {k: [cpu_s(p.pid) for p in ps] for k, ps in procs.items()}
         rows.append(row("(c) create -> run_terminal_cmd -> destroy, sequential", cseq))
-        ratio = pct(cseq, 0.5) / pct(b, 0.5)
+        notes.append(f"(c) p50 / (b) p50 = {pct(cseq, 0.5) / pct(b, 0.5):.2f}")
 
         def per(k: str, i: int) -> float:
             return 1e3 * sum(a[i] - b[i] for a, b in zip(after[k], before[k])) / n
@@ -177,6 +185,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
             f"{per('nats-server', 0) + per('nats-server', 1):.1f} ms, this client "
             f"{1e3 * ((me1.user - me0.user) + (me1.system - me0.system)) / n:.1f} ms"
         )
+        notes.append(cpu_note)
         done = 0
         t0 = time.perf_counter()
         cpar: list[float] = []
@@ -213,17 +222,32 @@ async def main(n: int, concurrency: int, idle: int, nodes: int) -> None:
             f"(+{rss_mib(node.pid) - before:.0f} MiB for them), nats-server RSS {rss_mib(nats.proc.pid):.0f} MiB, "
             f"workspaces {shm} MiB of {'tmpfs' if all(str(r).startswith('/dev/shm/') for r in roots) else 'disk'}"
         )
+        notes.append(mem)
         await asyncio.gather(*(pool.destroy(r) for r in held))
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        await bus.close()
-        for p in [node, *extra]:
-            p.send_signal(signal.SIGTERM)
-        for p in [node, *extra]:
-            p.wait(30)
-        nats.stop()
+        stopping = stop_children(children, stop_grace)  # never raises: the table is printed next
+        print_report(rows, notes, stopping, error)
+        try:
+            if bus is not None:
+                await bus.close()
+        finally:
+            nats.stop()
+    return 2 if stopping else 0
+
+
+def print_report(rows: list[str], notes: list[str], stopping: list[str], error: BaseException | None) -> None:
     print("| operation | p50 ms | p99 ms | per second |\n|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\n(c) p50 / (b) p50 = {ratio:.2f}\n\n{cpu_note}\n\n{mem}")
+    for line in notes:
+        print(f"\n{line}")
+    if error is not None:
+        print(f"\nINCOMPLETE: stopped by {type(error).__name__}: {error} (the rows above were measured before it)")
+    for line in stopping:
+        print(f"\nstopping: {line}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
@@ -232,5 +256,6 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--idle", type=int, default=1000)
     ap.add_argument("--nodes", type=int, default=1, help="env-pool processes sharing the creates")
+    ap.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, help="seconds the nodes get to exit after SIGTERM")
     a = ap.parse_args()
-    asyncio.run(main(a.n, a.concurrency, a.idle, a.nodes))
+    sys.exit(asyncio.run(main(a.n, a.concurrency, a.idle, a.nodes, a.stop_grace)))

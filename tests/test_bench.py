@@ -103,6 +103,30 @@ def test_envpool():
     assert re.search(r"^\(c\) p50 / \(b\) p50 = [\d.]+$", out, re.M), out
     assert re.search(r"^CPU per sequential lifecycle: env-pool [\d.]+ ms user", out, re.M), out
     assert re.search(r"^3 idle leased sandboxes created in [\d.]+ s; .* workspaces \d+ MiB of (tmpfs|disk)$", out, re.M), out
+    assert "stopping:" not in out and "INCOMPLETE" not in out, out
+
+
+def test_envpool_keeps_its_table_when_a_node_ignores_sigterm(tmp_path):
+    """The node is made deaf to SIGTERM (what a lost signal did to one in 1 of 8 runs):
+    the bench kills it after ``--stop-grace``, names it, still prints every row, and
+    exits 2 (the figures stand; the node's shutdown is the defect)."""
+    deaf = tmp_path / "deaf_node.py"
+    deaf.write_text(
+        "import runpy, signal, sys\n"
+        "import kiln.shared.service as service\n"
+        "service.StopSignals.install = lambda self: (signal.signal(signal.SIGTERM, signal.SIG_IGN), self)[1]\n"
+        "sys.argv = ['kiln.envpool.main', *sys.argv[3:]]  # after this script's own '-m kiln.envpool.main'\n"
+        "runpy.run_module('kiln.envpool.main', run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "envpool.py"), "--n", "2", "--idle", "2", "--concurrency", "2", "--stop-grace", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "KILN_BENCH_NODE_PREFIX": str(deaf)},
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    assert [r[0][:3] for r in table(out, "| operation | p50 ms | p99 ms | per second |")] == ["(a)", "(b)", "(c)", "(c)", "(d)"], out
+    assert re.search(r"^2 idle leased sandboxes created in ", out, re.M), out
+    assert re.search(r"^stopping: env-pool node bench \(pid \d+\) was still running 2 s after SIGTERM: killed with SIGKILL$", out, re.M), out
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="environment sandboxes need env-pool to run as root (overlayfs, idmapped mounts)")
