@@ -11,7 +11,9 @@ permutation and any shared expert stay in ``SparseMoE``.
 Invariants: every ``gemm`` computes, for each group ``e``, ``x[offs[e-1]:offs[e]] @
 w_t[e]`` (groups may be empty); ``default_gemm`` gives the same numbers as
 ``loop_gemm`` (bit for bit on CPU) and picks ``torch._grouped_mm`` only where a probe
-showed that it runs forward and backward for that device type and dtype.
+showed that it runs forward and backward for that device type and dtype; the probe
+builds its own autograd graph, invisible to an enclosing activation checkpoint (so a
+layer's first pass and its recomputation save the same tensors).
 """
 
 from __future__ import annotations
@@ -55,13 +57,22 @@ def grouped_mm_gemm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> t
 _SUPPORTED: dict[tuple[str, torch.dtype], bool] = {}
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here and matches the loop."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     g = torch.Generator().manual_seed(0)
-    # Callers may sit in no_grad or inference mode; the probe needs autograd.
-    with torch.inference_mode(False), torch.enable_grad():
+    # Callers may sit in no_grad or inference mode; the probe needs autograd. The first
+    # call usually comes from inside a forward, maybe one that activation checkpointing
+    # wraps: identity saved-tensor hooks keep the probe's own graph out of the
+    # checkpoint's bookkeeping, which would otherwise count the probe's saved tensors in
+    # the first pass but not in the recomputation (the probe is cached by then) and fail
+    # with torch's CheckpointError.
+    with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
         x = torch.randn(12, 16, generator=g).to(device, dtype).requires_grad_()
         w = torch.randn(3, 16, 16, generator=g).to(device, dtype).requires_grad_()
         offs = torch.tensor([5, 5, 12], dtype=torch.int32, device=device)  # an empty group too

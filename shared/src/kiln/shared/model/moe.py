@@ -20,6 +20,10 @@ Invariants: in-memory parameter names do not depend on the family (``layers.N.ml
 parallel/precision code sees one layout; ``MoEConfig`` only accepts what its family's
 HF model (and so vLLM) can load, and ``from_hf`` refuses what our maths does not do.
 
+Attention always runs the kernel's causal path (``is_causal``, no T x T mask) except
+where padding precedes a real token (see ``MoEForCausalLM.forward``) or a cache is
+extended by several tokens at once.
+
 Rollout and learner share this module, and ``token_logprobs`` is the single definition
 of a token's logprob under the policy: rollout records it while sampling, the learner
 recomputes it for the importance ratio.
@@ -349,13 +353,23 @@ class MoEForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits (B, T, V) and each layer's router logits. ``cache`` (one list per layer)
-        is filled/extended in place for incremental decoding from ``start_pos``."""
+        is filled/extended in place for incremental decoding from ``start_pos``.
+
+        ``attention_mask`` (B, T): 1 = real token. Right padding (every row's real tokens
+        first, as the learner and SFT build their batches) takes the attention kernel's
+        causal path with no materialised mask: under a causal mask a real token never
+        attends to a later position, so its output is the same as with the padding masked
+        (memory and time linear in T). The outputs at padded positions are then
+        unspecified (they attend to earlier pads): keep them out of every loss and
+        statistic, as ``token_mask``/``loss_mask`` do. Any other mask (padding before a
+        real token) builds the dense (B, 1, T, T) mask."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         pos = torch.arange(start_pos, start_pos + t, device=input_ids.device)
         cos, sin = self.rotary(pos, x.dtype)
         mask = None
-        if attention_mask is not None:  # (B, T) 1 = real token; padding is on the right
+        if attention_mask is not None and not right_padded(attention_mask):
+            # Padding before a real token: that token must not see it (a dense mask, T^2 per row).
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
         routers = []
@@ -387,6 +401,13 @@ class MoEForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a 0/1 mask is real tokens followed only by padding (one
+    host sync on an accelerator)."""
+    m = attention_mask.bool()
+    return bool((m[:, 1:] <= m[:, :-1]).all())
 
 
 def balancing_loss(num_experts: int, frac_sum: torch.Tensor, prob_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
