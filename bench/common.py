@@ -26,8 +26,9 @@ STOP_GRACE_S = 30.0
 
 def stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_GRACE_S) -> list[str]:
     """SIGTERM every child still running, wait up to ``grace_s`` in all, SIGKILL the rest.
-    Returns one line per child that did not stop cleanly (killed, or a non-zero exit),
-    naming it, for the bench to print beside its table; never raises for a child."""
+    Returns one line per child that did not stop cleanly (killed, or an exit other than 0
+    or SIGTERM's own), naming it, for the bench to print beside its table; never raises
+    for a child."""
     for p in children.values():
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -41,7 +42,7 @@ def stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_G
             p.wait()
             notes.append(f"{name} (pid {p.pid}) was still running {grace_s:.0f} s after SIGTERM: killed with SIGKILL")
             continue
-        if code != 0:
+        if code not in (0, -signal.SIGTERM):
             notes.append(f"{name} (pid {p.pid}) exited with code {code} after SIGTERM")
     return notes
 

@@ -1,16 +1,24 @@
 """Weight distribution: hand-over to N engines holding a version, against the raw copy.
 
-    .venv/bin/python bench/weights.py [--receivers 1 4 16] [--mb 200]
+    .venv/bin/python bench/weights.py [--receivers 1 4 16] [--mb 200] [--rounds 5]
 
 One run, on a real nats-server and a real weights service process: the learner's
-hand-over (a ``PolicyCheckpoint`` on the bus) of version v+1 of a model of ``--mb`` MB,
-until every one of N light receivers (processes running ``WeightReceiver`` on the
+hand-over (a ``PolicyCheckpoint`` on the bus) of a new version of a model of ``--mb``
+MB, until every one of N light receivers (processes running ``WeightReceiver`` on the
 ``kiln.weights.published`` events, as rollout workers do, without an engine) has it
 verified, for full versions read in place from the shared store and for delta versions
-rebuilt in each receiver's cache; next to the raw time to copy the same bytes once
-(the physical floor here). Then the bytes a delta ships for one optimizer step of the
-smoke preset's policy from a fresh optimizer, at its learning rate and at fine-tuning
-ones, in fp32 and bf16. Prints markdown tables.
+rebuilt in each receiver's cache; next to the raw time to copy the same bytes (the
+physical floor here). Each of ``--rounds`` rounds times, in this order, the raw copy of
+the round's version, its sha256 and its hand-over (raw, transport, raw, transport...),
+so that both see the same machine: the raw copy alone ranged 0.05-0.96 s on this
+shared VM, and one sample of it once made a transport look 0.2x or 441x of it. Medians
+are reported with their min-max, and the ratio of the medians with the min-max of the
+per-round ratios. Version 0 (a full version for every receiver) is handed over first,
+untimed. Then the bytes a delta ships for one optimizer step of the smoke preset's
+policy from a fresh optimizer, at its learning rate and at fine-tuning ones, in fp32
+and bf16. Prints markdown tables (whatever happened: a failed step prints the rows
+measured before it; a child still running ``STOP_GRACE_S`` after SIGTERM is killed and
+named).
 
     .venv/bin/python bench/weights.py --deltas-of-run runs/<run> [--every 10]
 
@@ -26,11 +34,12 @@ import json
 import os
 import random
 import shutil
-import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +52,23 @@ from kiln.shared.db import Database, Run, upgrade
 from kiln.shared.embedded import NatsServer
 from kiln.shared.weights.manifest import file_infos, sha256_files
 
+from common import stop_children
+
 RUN = "bench-weights"
+
+
+@dataclass
+class Round:
+    """One round's timings of one transport and receiver count, in seconds."""
+
+    raw_copy: float
+    """``shutil.copytree`` of the round's version folder (then removed, untimed)."""
+    sha256: float
+    """sha256 of its shards, once (what each receiver does to verify)."""
+    hashed: float
+    """The learner's ``file_infos`` of it, before the hand-over (the learner's cost)."""
+    handover: float
+    """From publishing its ``PolicyCheckpoint`` until every receiver holds it, verified."""
 
 
 SHARDS = 4
@@ -86,10 +111,10 @@ async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
     await asyncio.Event().wait()
 
 
-async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int) -> tuple[float, float, float, float]:
-    """(seconds from hand-over until all n receivers hold v1, the learner's seconds to
-    hash v1 before handing it over, raw copy seconds, seconds to sha256 the same bytes
-    once)."""
+async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int, rounds: int,
+                       notes: list[str]) -> list[Round]:  # fmt: skip
+    """``rounds`` timed rounds of one transport to ``n`` receivers (see the module's
+    docstring); what stopping the children needed goes to ``notes``."""
     # One run per measurement: the database remembers which versions a run has stored.
     run = f"{RUN}-{n}-{'delta' if delta else 'full'}"
     async with (db := Database(db_url)).session() as s:
@@ -117,41 +142,64 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
         subprocess.Popen([sys.executable, __file__, "--receiver", nats.url, str(tmp / f"cache-{n}-{delta}-{i}") if delta else "", f"r{i}", run])
         for i in range(n)
     ]
+    children = {"weights service": weights, **{f"receiver r{i}": p for i, p in enumerate(receivers)}}
+    label = f"{n} receivers, {'delta' if delta else 'full'}"
+
+    async def hand_over(v: int, folder: Path, files) -> float:
+        t0 = time.perf_counter()
+        ck = c.PolicyCheckpoint(run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder), files=files)
+        await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run}-{v}")
+        for _ in range(n):
+            await asyncio.wait_for(done.get(), 600)
+        return time.perf_counter() - t0
+
+    timed = []
     try:
         for _ in range(n):
             await asyncio.wait_for(ready.get(), 120)
-        print(f"[bench] {n} receivers ready (delta={delta})", file=sys.stderr, flush=True)
-        base = model_folder(tmp / f"v0-{n}-{delta}", mb, 0)
-        model_folder(tmp / f"v1-{n}-{delta}", mb, 1, base=base, change=1e-4)
-        for v in (0, 1):
+        print(f"[bench] {label}: ready", file=sys.stderr, flush=True)
+        tensors = model_folder(tmp / f"v0-{n}-{delta}", mb, 0)
+        await hand_over(0, tmp / f"v0-{n}-{delta}", file_infos(tmp / f"v0-{n}-{delta}"))
+        for v in range(1, rounds + 1):
             folder = tmp / f"v{v}-{n}-{delta}"
+            tensors = model_folder(folder, mb, v, base=tensors, change=1e-4)
+            t = time.perf_counter()
+            shutil.copytree(folder, tmp / "copy")
+            raw = time.perf_counter() - t
+            shutil.rmtree(tmp / "copy")
+            t = time.perf_counter()
+            sha256_files(sorted(folder.glob("*.safetensors")))
+            sha = time.perf_counter() - t
             t = time.perf_counter()
             files = file_infos(folder)  # as the learner does once it has staged a version
             hashed = time.perf_counter() - t
-            t0 = time.perf_counter()
-            ck = c.PolicyCheckpoint(
-                run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder), files=files
-            )
-            await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run}-{v}")
-            for _ in range(n):
-                await asyncio.wait_for(done.get(), 600)
-            print(f"[bench] v{v} held by {n}", file=sys.stderr, flush=True)
-            took = time.perf_counter() - t0
-        t = time.perf_counter()
-        shutil.copytree(tmp / f"v1-{n}-{delta}", tmp / f"copy-{n}-{delta}")
-        raw = time.perf_counter() - t
-        t = time.perf_counter()
-        sha256_files(sorted((tmp / f"v1-{n}-{delta}").glob("*.safetensors")))
-        return took, hashed, raw, time.perf_counter() - t
+            timed.append(Round(raw, sha, hashed, await hand_over(v, folder, files)))
+            shutil.rmtree(tmp / f"v{v - 1}-{n}-{delta}", ignore_errors=True)  # the store has it
+            print(f"[bench] {label}: round {v}/{rounds}: {timed[-1]}", file=sys.stderr, flush=True)
+        return timed
     finally:
-        for p in receivers + [weights]:
-            p.send_signal(signal.SIGTERM)
-        for p in receivers + [weights]:
-            p.wait(30)
+        notes += stop_children(children)
         for sub in subs:
             await sub.unsubscribe()
         await bus.close()
         await asyncio.to_thread(shutil.rmtree, store, True)
+        for f in tmp.glob(f"v*-{n}-{delta}"):
+            shutil.rmtree(f, ignore_errors=True)
+
+
+def median_and_range(xs: list[float], digits: int, unit: str = "") -> tuple[str, str]:
+    """(median, "min-max") of ``xs`` as table cells."""
+    return f"{statistics.median(xs):.{digits}f}{unit}", f"{min(xs):.{digits}f}-{max(xs):.{digits}f}{unit}"
+
+
+def distribution_row(kind: str, n: int, rs: list[Round]) -> str:
+    handover, handover_spread = median_and_range([r.handover for r in rs], 3)
+    raw, raw_spread = median_and_range([r.raw_copy for r in rs], 3)
+    ratio = statistics.median(r.handover for r in rs) / statistics.median(r.raw_copy for r in rs)
+    _, ratios = median_and_range([r.handover / r.raw_copy for r in rs], 1, "x")
+    return (f"| {kind} | {n} | {len(rs)} | {statistics.median(r.hashed for r in rs):.3f} | {handover} | {handover_spread} "
+            f"| {statistics.median(r.handover for r in rs) / n:.3f} | {raw} | {raw_spread} "
+            f"| {statistics.median(r.sha256 for r in rs):.3f} | {ratio:.1f}x | {ratios} |")  # fmt: skip
 
 
 def one_step_deltas() -> list[str]:
@@ -223,24 +271,29 @@ def run_deltas(run_dir: Path, every: int) -> list[str]:
     return rows
 
 
-async def main(counts: list[int], mb: int) -> None:
+async def main(counts: list[int], mb: int, rounds: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-weights-"))
     nats = NatsServer(tmp / "nats").start()
     db_url = f"sqlite:///{tmp / 'db.sqlite'}"
     upgrade(db_url)
-    rows = []
+    rows: list[str] = []
+    notes: list[str] = []
     try:
         for delta in (False, True):
             for n in counts:
-                took, hashed, raw, sha = await distribution(tmp, nats, db_url, n, delta, mb)
                 kind = "delta (rebuilt per receiver)" if delta else "full (shared store, in place)"
-                rows.append(f"| {kind} | {n} | {hashed:.3f} | {took:.2f} | {took / n:.3f} | {raw:.3f} | {sha:.3f} | {took / raw:.1f}x |")
+                rows.append(distribution_row(kind, n, await distribution(tmp, nats, db_url, n, delta, mb, rounds, notes)))
     finally:
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"| transport ({mb} MB version) | receivers | learner hashes v1 (s) | hand-over -> all hold v1 (s) | per receiver (s) | raw copy once (s) | sha256 once (s) | all hold / raw copy |")
-    print("|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+        print(f"| transport ({mb} MB version) | receivers | rounds | learner hashes (s, median) "
+              "| hand-over -> all hold (s, median) | hand-over min-max (s) | per receiver (s) | raw copy (s, median) "
+              "| raw copy min-max (s) | sha256 once (s, median) | all hold / raw copy (ratio of medians) | per-round ratios (min-max) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
+        for line in notes:
+            print(f"\nstopping: {line}")
+        sys.stdout.flush()
     print("\n| lr | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
     print("\n".join(one_step_deltas()))
 
@@ -252,6 +305,7 @@ if __name__ == "__main__":
         ap = argparse.ArgumentParser()
         ap.add_argument("--receivers", type=int, nargs="+", default=[1, 4, 16])
         ap.add_argument("--mb", type=int, default=200)
+        ap.add_argument("--rounds", type=int, default=5, help="timed versions per transport and receiver count")
         ap.add_argument("--deltas-of-run", type=Path, help="only: delta bytes between consecutive versions of this finished run's folder")
         ap.add_argument("--every", type=int, default=10, help="with --deltas-of-run: one version pair in this many")
         a = ap.parse_args()
@@ -260,4 +314,4 @@ if __name__ == "__main__":
             print("| versions | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
             print("\n".join(run_deltas(a.deltas_of_run, a.every)))
         else:
-            asyncio.run(main(a.receivers, a.mb))
+            asyncio.run(main(a.receivers, a.mb, a.rounds))

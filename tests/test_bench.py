@@ -184,13 +184,30 @@ def test_warm_start():
     number(rows[0][2])
 
 
+def spread(cell: str) -> tuple[float, float]:
+    """A ``min-max`` cell (``0.05-0.96``, ``1.2-1.9x``): both ends, in order."""
+    m = re.fullmatch(r"([\d.]+)-([\d.]+)(x?)", cell)
+    assert m, f"not a spread: {cell!r}"
+    lo, hi = float(m.group(1)), float(m.group(2))
+    assert lo <= hi, cell
+    return lo, hi
+
+
 def test_weights_distribution_and_one_step_deltas():
-    out = bench("weights.py", "--receivers", "1", "--mb", "1")
-    rows = table(out, "| transport (1 MB version) | receivers |")
-    assert [(r[0], r[1]) for r in rows] == [("full (shared store, in place)", "1"), ("delta (rebuilt per receiver)", "1")]
+    """Two interleaved rounds per transport: medians inside their spreads, ratio of medians."""
+    out = bench("weights.py", "--receivers", "1", "--mb", "1", "--rounds", "2")
+    rows = table(out, "| transport (1 MB version) | receivers | rounds |")
+    assert [(r[0], r[1], r[2]) for r in rows] == [("full (shared store, in place)", "1", "2"), ("delta (rebuilt per receiver)", "1", "2")]
     for r in rows:
-        for x in r[2:]:
-            number(x)
+        hashed, handover, handover_spread, per, raw, raw_spread, sha, ratio, ratios = r[3:]
+        for median, cell in ((handover, handover_spread), (raw, raw_spread)):
+            lo, hi = spread(cell)
+            assert lo <= number(median) <= hi, r
+        assert number(per) == number(handover) and number(hashed) >= 0 and number(sha) >= 0
+        h, w, half = number(handover), number(raw), 0.0005  # the cells' rounding
+        assert (h - half) / (w + half) - 0.05 <= number(ratio) <= (h + half) / max(w - half, 1e-9) + 0.05, r
+        spread(ratios)
+    assert "stopping:" not in out, out
     deltas = table(out, "| lr | dtype | full bytes | delta bytes | delta / full |")
     assert [(r[0], r[1]) for r in deltas] == [(lr, d) for lr in ("0.001", "1e-05", "1e-06") for d in ("float32", "bfloat16")]
 
