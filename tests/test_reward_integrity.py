@@ -76,7 +76,7 @@ def test_the_code_under_test_cannot_reach_the_report(tmp_path):
 def test_framework_patches_are_tampering(tmp_path):
     patch = "import unittest\nunittest.TestCase.run = lambda self, result=None: result.addSuccess(self)\n"
     _, report = run(tmp_path, {**CALC.files, "calc.py": patch + CALC.files["calc.py"]})
-    assert "unittest.TestCase.run" in report.tampered
+    assert "unittest.case.TestCase.run" in report.tampered
 
 
 def test_isolated_interpreter_ignores_the_workspace_and_the_environment(tmp_path):

@@ -133,7 +133,7 @@ class CleanRoom:
             if problem:
                 return self._not_run(task, c.Failure.NOT_APPLIED, problem, integrity)
             ids = task.fail_to_pass + task.pass_to_pass
-            result = await self.envpool.exec(ref, runner_command(task.test_command, ids, task.timeout_s),
+            result = await self.envpool.exec(ref, runner_command(task.test_command, ids, task.timeout_s, task.test_files),
                                              task.timeout_s + self.grace_s)  # fmt: skip
         except RemoteError as e:
             raise InfraError(f"the clean room failed: {e}") from None
@@ -210,7 +210,7 @@ class CleanRoom:
             if await self._apply(ref, task, CleanRoomPlan()):
                 raise InfraError(f"kiln cannot write task {task.id}'s test files into its pristine repository")
             ids = task.fail_to_pass + task.pass_to_pass
-            res = await self.envpool.exec(ref, runner_command(task.test_command, ids, task.timeout_s), task.timeout_s + self.grace_s)
+            res = await self.envpool.exec(ref, runner_command(task.test_command, ids, task.timeout_s, task.test_files), task.timeout_s + self.grace_s)
             read_report(res.stdout, ids)
         except ReportProblem as e:
             raise InfraError(f"kiln's test runner fails on task {task.id}'s pristine repository: {e}: {res.stderr[-300:]}") from None

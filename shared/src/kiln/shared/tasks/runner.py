@@ -1,41 +1,51 @@
 """kiln's protected test runner: the only source of a score's test results.
 
-Run inside the scoring sandbox as ``python -I -S -c <this file's source> <config>``
-(``kiln.shared.tasks.testrun.runner_command`` builds it; ``<config>`` is base64 of zlib
-of JSON: ``framework`` (``unittest`` or ``pytest``), ``ids`` (the tests to run), ``args``
-(extra pytest arguments), ``timeout_s``). Standard library only, Python 3.8 and later:
-it runs under whatever interpreter the task's environment has.
+Run inside the scoring sandbox as ``python -I -S -c <source> <config>``
+(``kiln.shared.tasks.testrun.runner_command`` builds it: this file, with the test
+process's half, ``runner_child.py`` and ``runner_drivers.py``, inlined as ``CHILD_SOURCE``; ``<config>`` is base64
+of zlib of JSON: ``framework`` (``unittest`` or ``pytest``), ``ids`` (the tests to run),
+``args`` (extra pytest arguments), ``timeout_s``, ``test_files`` (the task's test files
+and their sha256, optional)). Standard library only, Python 3.8 and later: it runs under
+whatever interpreter the task's environment has.
 
-Two processes:
+A pass is earned only by the pristine test code running to its end in a pristine
+framework. Two processes:
 - the *parent* starts before any code of the workspace can run: ``-I`` ignores every
-  ``PYTHON*`` variable and the user's site, ``-S`` skips ``site`` (so no
-  ``sitecustomize``/``usercustomize`` is imported from anywhere); the parent then adds
-  the environment's site-packages itself (``.pth`` files of the environment only, and
-  the current directory on no path), imports the test framework from there, makes
-  itself non-dumpable (no process of the sandbox's uid may read its memory or its
-  ``/proc`` fds), and forks;
-- the *child* puts the workspace first on ``sys.path`` (as ``python -m`` would), runs
-  exactly the requested tests through kiln's own result collector, and sends one event
-  per test over a pipe. Its stdout and stderr are the parent's stderr (people read it);
-  it never holds the parent's stdout.
+  ``PYTHON*`` variable and the user's site, ``-S`` skips ``site``; it adds the
+  environment's site-packages itself (the current directory on no path), imports the
+  framework from there, then **reads and compiles the protected test sources itself**
+  (the files the ids name and the task's test files; for pytest with pytest's own
+  assertion rewriting, so failure messages stay pytest's), notes what each test's source
+  declares (``expectedFailure``/``xfail``/skip decorators, read from the syntax tree),
+  builds the test process's code in a private namespace whose builtins are a copy taken
+  now, makes itself non-dumpable and forks;
+- the *child* (``runner_child.py``) snapshots what every verdict depends on, installs an
+  audit hook, loads the test modules from the parent's code objects by file location,
+  runs exactly the requested ids through kiln's collector and an execution witness, and
+  sends authenticated events over a pipe.
 
 Invariants:
 - the report is the parent's stdout and nothing else writes there: one JSON document,
   written once, after the child has ended (or was killed at ``timeout_s``);
-- every requested id gets exactly one status: from the child's event for it, or
-  ``missing`` (never run, the child died first, a duplicate or malformed event); a
-  report never says more than the child showed;
-- tampering is detected, not trusted away: the child snapshots the framework's entry
-  points (``unittest``'s ``TestCase``/``TestResult``/``TestSuite``/loader, pytest's
-  runner, reports, python and main modules, the collector itself) before any test
-  module is imported, and compares them after every test and at the end; any change
-  is listed in ``tampered``, and so is a framework module loaded from the workspace;
-  standard-library names the workspace's modules took are listed in ``shadowed``;
+- the child's ``ready`` (its test modules are imported) is authenticated with a token
+  the parent made before the fork; only then does the parent send the event key (made
+  after the fork, masked with the token, so bytes read off the key pipe by anyone else
+  are useless); every later event carries an HMAC-SHA256 over its sequence number and
+  payload, and the parent verifies each one: an event that does not authenticate, or
+  comes out of order, is a ``problem``, never a result;
+- ``completed`` only when the child's authenticated ``done`` was its last event and it
+  then exited with status 0; anything else is an incomplete run, whatever was written;
+- every requested id gets exactly one status: from the child's authenticated event for
+  it, or ``missing``; a report never says more than the child's runner showed;
 - as pid 1 of its sandbox the parent cannot be signalled by the tested code, and its
   exit ends every process the tests left behind.
 """
 
+import ast
 import base64
+import builtins
+import hashlib
+import hmac
 import json
 import os
 import sys
@@ -50,6 +60,10 @@ sandbox's captured stdout (64 KiB by default) whatever the number of tests."""
 CODES = {"passed": "P", "failed": "F", "error": "E", "skipped": "S"}
 """One letter per test in ``statuses`` (``M``: missing)."""
 PR_SET_DUMPABLE = 4
+KEY_BYTES = 32
+MAX_SOURCE_BYTES = 8 << 20
+CHILD_SOURCE = None  # runner_command inlines runner_child.py + runner_drivers.py here
+MARKS = {"xfail": "xfail", "expectedFailure": "xfail", "skip": "skip", "skipIf": "skip", "skipUnless": "skip", "skipif": "skip"}
 
 
 def _site_packages():
@@ -73,269 +87,178 @@ def _set_dumpable(flag):
         return False
 
 
-def _callables(obj):
-    out = {}
-    for name, value in list(vars(obj).items()):
-        if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
-            out[name] = id(value)
-    return out
+def _framework(framework):
+    """Import the framework (and what the child's runner uses) with the workspace on no
+    path: a ``unittest.py`` or a ``pytest/`` there cannot stand in."""
+    import importlib.util  # noqa: F401
+    import inspect  # noqa: F401
+    import select  # noqa: F401
+    import traceback  # noqa: F401
+    import types  # noqa: F401
+    import unittest  # noqa: F401
+    import unittest.case  # noqa: F401
+    import unittest.loader  # noqa: F401
+    import unittest.result  # noqa: F401
+    import unittest.runner  # noqa: F401
+    import unittest.suite  # noqa: F401
 
-
-FRAMEWORK_MODULES = {"unittest", "pytest", "_pytest", "pluggy"}
-
-
-class Guard:
-    """Identities of the framework's entry points, taken before any tested code runs, and
-    the workspace's stand-ins for standard or framework modules."""
-
-    def __init__(self, targets, workspace):
-        self.targets = targets
-        self.before = {name: _callables(obj) for name, obj in targets}
-        self.found = []
-        self.shadowed = []
-        """Standard-library names the workspace's own modules took (a finding, not
-        tampering: a repository may have a top-level ``token.py``)."""
-        self.workspace = workspace
-        self.stdlib = set(getattr(sys, "stdlib_module_names", ()))
-        self.loaded = set(sys.modules)
-
-    def check(self):
-        for name in list(sys.modules):
-            top = name.partition(".")[0]
-            if name in self.loaded or (top not in self.stdlib and top not in FRAMEWORK_MODULES):
-                continue
-            self.loaded.add(name)
-            where = getattr(sys.modules.get(name), "__file__", None) or ""
-            if where and os.path.abspath(where).startswith(self.workspace + os.sep):
-                what = "module %s from the workspace (%s)" % (name, os.path.relpath(where, self.workspace))
-                (self.found if top in FRAMEWORK_MODULES else self.shadowed).append(what)
-        for name, obj in self.targets:
-            now = _callables(obj)
-            was = self.before[name]
-            for attr in sorted(set(was) | set(now)):
-                if was.get(attr) != now.get(attr):
-                    what = "%s.%s" % (name, attr)
-                    if what not in self.found:
-                        self.found.append(what)
-        return self.found
-
-
-def _framework_targets(framework):
-    import unittest
-    import unittest.case
-    import unittest.loader
-    import unittest.result
-    import unittest.suite
-
-    targets = [
-        ("unittest.TestCase", unittest.TestCase),
-        ("unittest.TestResult", unittest.TestResult),
-        ("unittest.TextTestResult", unittest.TextTestResult),
-        ("unittest.TestSuite", unittest.TestSuite),
-        ("unittest.TestLoader", unittest.TestLoader),
-        ("unittest.case", unittest.case),
-        ("unittest.suite", unittest.suite),
-    ]
+    try:
+        import _hashlib  # noqa: F401
+    except ImportError:
+        pass
     if framework == "pytest":
-        import pytest  # noqa: F401  (before the workspace is on any path: a `pytest.py` there cannot stand in)
-        import _pytest.main
-        import _pytest.python
-        import _pytest.reports
-        import _pytest.runner
-        import _pytest.unittest
-
-        targets += [
-            ("_pytest.runner", _pytest.runner),
-            ("_pytest.runner.CallInfo", _pytest.runner.CallInfo),
-            ("_pytest.reports", _pytest.reports),
-            ("_pytest.reports.TestReport", _pytest.reports.TestReport),
-            ("_pytest.python", _pytest.python),
-            ("_pytest.python.Function", _pytest.python.Function),
-            ("_pytest.main", _pytest.main),
-            ("_pytest.unittest", _pytest.unittest),
-        ]
-    return targets
+        import pytest  # noqa: F401
+        import _pytest.assertion.rewrite  # noqa: F401
+        import _pytest.main  # noqa: F401
+        import _pytest.python  # noqa: F401
+        import _pytest.reports  # noqa: F401
+        import _pytest.runner  # noqa: F401
+        import _pytest.skipping  # noqa: F401
+        import _pytest.unittest  # noqa: F401
 
 
-class Events:
-    """The child's side of the event pipe: one JSON line per event."""
+def _declared(tree):
+    """Qualified name (``""`` for the module) -> the marks its source declares:
+    ``xfail`` (``expectedFailure``, ``pytest.mark.xfail``), ``skip``."""
+    out = {}
 
-    def __init__(self, fd, guard):
-        self.fd = fd
-        self.guard = guard
+    def marks(exprs):
+        found = set()
+        for e in exprs:
+            for n in ast.walk(e):
+                word = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
+                if word in MARKS:
+                    found.add(MARKS[word])
+        return found
 
-    def send(self, **event):
-        data = (json.dumps(event) + "\n").encode()
-        while data:
-            data = data[os.write(self.fd, data):]
+    def visit(body, prefix):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                q = prefix + node.name
+                out[q] = out.get(q, set()) | marks(node.decorator_list)
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, q + ".")
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+                q = prefix[:-1]
+                out[q] = out.get(q, set()) | marks([node.value])
 
-    def result(self, test_id, status, message="", seconds=0.0):
-        self.send(t="result", id=test_id, status=status, message=message[:MESSAGE_CHARS], seconds=round(seconds, 4))
-        self.guard.check()
-
-
-def _text(err):
-    if err is None:
-        return ""
-    try:
-        import traceback
-
-        return "".join(traceback.format_exception_only(err[0], err[1])).strip()
-    except Exception:
-        return repr(err)
-
-
-def _flatten(tests):
-    import unittest
-
-    if isinstance(tests, unittest.TestSuite):
-        for t in tests:
-            for x in _flatten(t):
-                yield x
-    else:
-        yield tests
+    visit(tree.body, "")
+    return {q: sorted(m) for q, m in out.items() if m}
 
 
-def run_unittest(ids, events):
-    import unittest
-    import unittest.runner
-
-    Base = unittest.TextTestResult  # prints `-v` lines and tracebacks for people (stderr)
-
-    class Collector(Base):
-        """One event per test: its worst outcome (a failed subtest fails the test)."""
-
-        def startTest(self, test):
-            Base.startTest(self, test)
-            self._status, self._message, self._t0 = "passed", "", time.monotonic()
-
-        def _set(self, status, message):
-            order = ("passed", "skipped", "failed", "error")
-            if order.index(status) >= order.index(self._status):
-                self._status, self._message = status, message
-
-        def addSuccess(self, test):
-            Base.addSuccess(self, test)
-
-        def addFailure(self, test, err):
-            Base.addFailure(self, test, err)
-            self._set("failed", _text(err))
-
-        def addError(self, test, err):
-            Base.addError(self, test, err)
-            if not hasattr(self, "_t0"):  # a class or module fixture, outside any test
-                events.send(t="error", where=str(test), message=_text(err)[:MESSAGE_CHARS])
-            else:
-                self._set("error", _text(err))
-
-        def addSkip(self, test, reason):
-            Base.addSkip(self, test, reason)
-            self._set("skipped", str(reason))
-
-        def addExpectedFailure(self, test, err):
-            Base.addExpectedFailure(self, test, err)
-
-        def addUnexpectedSuccess(self, test):
-            Base.addUnexpectedSuccess(self, test)
-            self._set("failed", "unexpected success")
-
-        def addSubTest(self, test, subtest, err):
-            Base.addSubTest(self, test, subtest, err)
-            if err is not None:
-                failed = issubclass(err[0], test.failureException)
-                self._set("failed" if failed else "error", "%s: %s" % (subtest, _text(err)))
-
-        def stopTest(self, test):
-            Base.stopTest(self, test)
-            if hasattr(self, "_t0"):
-                events.result(test.id(), self._status, self._message, time.monotonic() - self._t0)
-                del self._t0
-
-    events.guard.targets.append(("kiln.Collector", Collector))
-    events.guard.before["kiln.Collector"] = _callables(Collector)
-    loader = unittest.TestLoader()
-    suite = unittest.TestSuite()
-    for test_id in ids:
-        try:
-            loaded = loader.loadTestsFromName(test_id)
-        except Exception as e:  # the id's module or attribute does not exist: it stays missing
-            events.send(t="error", where=test_id, message=("%s: %s" % (type(e).__name__, e))[:MESSAGE_CHARS])
-            continue
-        broken = [t for t in _flatten(loaded) if type(t).__name__ == "_FailedTest"]
-        if broken:  # newer unittest returns a stand-in that errors when run: never run it
-            why = getattr(broken[0], "_exception", None)
-            events.send(t="error", where=test_id, message=("%s: %s" % (type(why).__name__, why))[:MESSAGE_CHARS])
-        else:
-            suite.addTest(loaded)
-    result = Collector(unittest.runner._WritelnDecorator(sys.stderr), True, 2)
-    suite.run(result)
-    result.printErrors()
+def _module_names(rel):
+    """The names a test file may be imported under: its dotted path from the
+    repository, from its topmost package (pytest's ``prepend``), and its stem."""
+    parts = rel[:-3].split("/")
+    names = {".".join(parts), parts[-1]}
+    i = len(parts) - 1
+    while i > 0 and os.path.isfile(os.path.join(*parts[:i], "__init__.py")):
+        i -= 1
+    names.add(".".join(parts[i:]))
+    return names
 
 
-def run_pytest(ids, args, events):
-    import pytest
-
-    class Collector:
-        """The outcome of each test over its setup, call and teardown phases."""
-
-        def __init__(self):
-            self.status = {}
-
-        def pytest_runtest_logreport(self, report):
-            status, message = self.status.get(report.nodeid, ("passed", ""))
-            if report.failed:
-                status = "failed" if report.when == "call" else "error"
-                message = str(report.longrepr)[-MESSAGE_CHARS:]
-            elif report.skipped and status == "passed":
-                status, message = "skipped", str(report.longrepr)[-MESSAGE_CHARS:]
-                if hasattr(report, "wasxfail"):
-                    status, message = "passed", "xfail"
-            elif report.when == "call" and hasattr(report, "wasxfail") and report.passed:
-                status, message = "failed", "unexpected xpass"
-            self.status[report.nodeid] = (status, message)
-            if report.when == "teardown":
-                events.result(report.nodeid, status, message, getattr(report, "duration", 0.0))
-
-        def pytest_collectreport(self, report):
-            if report.failed:
-                events.send(t="error", where=report.nodeid or "collection", message=str(report.longrepr)[-MESSAGE_CHARS:])
-
-    collector = Collector()
-    events.guard.targets.append(("kiln.Collector", Collector))
-    events.guard.before["kiln.Collector"] = _callables(Collector)
-    code = pytest.main(["-p", "no:cacheprovider", "--color=no", "-rfE", *args, "--", *ids], plugins=[collector])
-    events.send(t="exit", code=int(code))
+def _unittest_file(test_id, cwd):
+    """The file and module of a unittest id: the longest dotted prefix that is a file
+    under the repository (a module file before a package of the same name)."""
+    parts = test_id.split(".")
+    for k in range(len(parts), 0, -1):
+        base = os.path.join(cwd, *parts[:k])
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                return os.path.relpath(path, cwd), ".".join(parts[:k])
+    return None, None
 
 
-def child(cfg, events_fd, cwd):
-    os.setpgid(0, 0)
-    _set_dumpable(True)
-    os.dup2(2, 1)  # the tests print to the parent's stderr; the report (fd 1) is not theirs
-    guard = Guard(_framework_targets(cfg["framework"]), cwd)
-    events = Events(events_fd, guard)
-    sys.path.insert(0, cwd)
-    sys.argv = ["kiln-runner"]
-    try:
+def pristine_sources(cfg, cwd):
+    """Read and compile the protected test sources before any workspace code runs:
+    ({relative path: [module names, code, declared marks]}, findings)."""
+    files, findings = {}, []
+    wanted = dict.fromkeys(p for p in (cfg.get("test_files") or {}) if p.endswith(".py"))
+    for test_id in cfg["ids"]:
         if cfg["framework"] == "pytest":
-            run_pytest(cfg["ids"], cfg.get("args", []), events)
+            rel = test_id.split("::", 1)[0]
+            if rel.endswith(".py"):
+                wanted.setdefault(os.path.normpath(rel), None)
         else:
-            run_unittest(cfg["ids"], events)
-    except BaseException as e:  # a SystemExit from the tests included: the run ended early
-        events.send(t="error", where="runner", message=("%s: %s" % (type(e).__name__, e))[:MESSAGE_CHARS])
-    events.send(t="done", tampered=guard.check(), shadowed=guard.shadowed[:20])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            rel, name = _unittest_file(test_id, cwd)
+            if rel is not None:
+                wanted.setdefault(rel, name)
+    rewrite = None
+    if cfg["framework"] == "pytest" and "--assert=plain" not in cfg.get("args", []):
+        from _pytest.assertion.rewrite import rewrite_asserts as rewrite
+    for rel, id_name in wanted.items():
+        path = os.path.join(cwd, rel)
+        try:
+            with open(path, "rb") as f:
+                source = f.read(MAX_SOURCE_BYTES + 1)
+        except OSError as e:
+            findings.append("test file %s cannot be read (%s)" % (rel, e.strerror))
+            continue
+        digest = (cfg.get("test_files") or {}).get(rel)
+        if digest and hashlib.sha256(source).hexdigest() != digest:
+            findings.append("test file %s is not the task's" % rel)
+            continue
+        names = sorted(_module_names(rel) | ({id_name} if id_name else set()))
+        if os.path.basename(rel) == "__init__.py" or len(source) > MAX_SOURCE_BYTES:
+            continue
+        try:
+            tree = ast.parse(source, path)
+            declared = _declared(tree)
+            if rewrite is not None:
+                rewrite(tree, source, path, None)
+            code = compile(tree, path, "exec", dont_inherit=True)
+        except (SyntaxError, ValueError):
+            continue  # it fails to import in the test process, as it would anyway
+        files[rel] = [names, code, declared]
+    return files, findings
 
 
-def read_events(fd, pid, timeout_s):
-    """(events, timed out, wait status): reads until the child has ended and its pipe is
-    drained (a grandchild holding the pipe open does not hold the run), or kills the
-    child's group at the deadline."""
+def _child_namespace():
+    """The test process's code, defined now (before any workspace code runs) in its own
+    namespace: its builtins are a copy, so no later patch of ``builtins`` or of
+    ``__main__`` reaches the functions the verdict depends on."""
+    ns = {"__builtins__": dict(vars(builtins)), "__name__": "kiln-runner-child"}
+    exec(compile(CHILD_SOURCE, "<kiln-runner-child>", "exec"), ns)
+    return ns
+
+
+def read_events(fd, key_fd, token, key, pid, timeout_s):
+    """(events, problems, timed out, wait status): reads until the child has ended and its
+    pipe is drained (a grandchild holding the pipe open does not hold the run), or kills
+    the child's group at the deadline. The key goes out once, on the child's ``ready``."""
     import select
 
     deadline = time.monotonic() + timeout_s
-    buf, timed_out, status = b"", False, None
+    buf, timed_out, status, events, problems, seq = b"", False, None, [], [], 0
+    keyed = False
+
+    def take(line):
+        nonlocal keyed, seq
+        if not keyed:
+            if hmac.compare_digest(line, b"ready " + hmac.new(token, b"ready", hashlib.sha256).hexdigest().encode()):
+                keyed = True
+                mask = hmac.new(token, b"key", hashlib.sha256).digest()
+                out = bytes(a ^ b for a, b in zip(key, mask))
+                while out:
+                    out = out[os.write(key_fd, out):]
+                os.close(key_fd)
+            else:
+                problems.append("unauthenticated output before the runner was ready: %r" % line[:60])
+            return
+        mac, _, payload = line.partition(b" ")
+        want = hmac.new(key, b"%d " % seq + payload, hashlib.sha256).hexdigest().encode()
+        if not hmac.compare_digest(mac, want):
+            problems.append("an event that does not authenticate: %r" % line[:60])
+            return
+        seq += 1
+        try:
+            event = ast.literal_eval(payload.decode("utf-8"))
+        except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+            problems.append("a malformed event")
+            return
+        events.append(event)
+
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -347,54 +270,60 @@ def read_events(fd, pid, timeout_s):
             if not chunk:
                 break
             buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    take(line)
             continue
         if status is not None:  # ended, and nothing more to read
             break
         done, st = os.waitpid(pid, os.WNOHANG)
         if done:
             status = st
+    if buf.strip():
+        problems.append("an unterminated event")
     try:
         os.killpg(pid, 9)
     except OSError:
         pass
     if status is None:
         _, status = os.waitpid(pid, 0)
-    events = []
-    for line in buf.split(b"\n"):
-        if line.strip():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                events.append({"t": "malformed"})
-    return events, timed_out, status
+    if not keyed:
+        os.close(key_fd)
+    return events, problems, timed_out, status
 
 
-def report(cfg, events, timed_out, status, seconds):
+def report(cfg, events, problems, timed_out, status, seconds, findings):
     ids = cfg["ids"]
     wanted = {test_id: i for i, test_id in enumerate(ids)}
     results = [None] * len(ids)
-    problems, errors, tampered, shadowed, done, extra, exit_code = [], [], [], [], False, 0, None
+    errors, tampered, shadowed, done, extra, exit_code = [], list(findings), [], False, 0, None
     for e in events:
-        kind = e.get("t") if isinstance(e, dict) else None
-        if kind == "result":
-            i = wanted.get(e.get("id"))
+        kind = e[0] if isinstance(e, tuple) and e else None
+        if done:
+            problems.append("an event after the runner's end")
+            done = False
+            break
+        if kind == "result" and len(e) == 5:
+            i = wanted.get(e[1])
             if i is None:
                 extra += 1
             elif results[i] is not None:
                 problems.append("two results for %s" % ids[i])
                 results[i] = "duplicate"
             else:
-                results[i] = [e.get("status"), str(e.get("message", ""))[:MESSAGE_CHARS]]
-        elif kind == "error":
-            errors.append([str(e.get("where", ""))[:200], str(e.get("message", ""))[:MESSAGE_CHARS]])
-        elif kind == "exit":
-            exit_code = e.get("code")
-        elif kind == "done" and not done:
+                results[i] = [e[2], str(e[3])[:MESSAGE_CHARS]]
+        elif kind == "error" and len(e) == 3:
+            errors.append([str(e[1])[:200], str(e[2])[:MESSAGE_CHARS]])
+        elif kind == "exit" and len(e) == 2:
+            exit_code = e[1]
+        elif kind == "done" and len(e) == 3:
             done = True
-            tampered = [str(x) for x in e.get("tampered", [])]
-            shadowed = [str(x) for x in e.get("shadowed", [])]
+            tampered += [str(x) for x in e[1]]
+            shadowed = [str(x) for x in e[2]]
         else:
             problems.append("an event kiln's runner never sends: %r" % (str(e)[:100],))
+    exited_ok = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     statuses, messages, budget = [], {}, MESSAGES_CHARS
     for i, r in enumerate(results):
         if r is None or r == "duplicate" or r[0] not in CODES:
@@ -411,13 +340,13 @@ def report(cfg, events, timed_out, status, seconds):
         "statuses": "".join(statuses),
         "messages": messages,
         "errors": errors[:20],
-        "tampered": tampered,
+        "tampered": tampered[:50],
         "shadowed": shadowed,
-        "completed": done,
+        "completed": done and exited_ok and not timed_out,
         "timed_out": timed_out,
         "child_exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
         "child_signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "pytest_exit": exit_code,
+        "pytest_exit": exit_code if isinstance(exit_code, int) else None,
         "extra_results": extra,
         "problems": problems[:20],
         "python": sys.version.split()[0],
@@ -431,28 +360,31 @@ def main():
     sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != cwd]
     cfg = json.loads(zlib.decompress(base64.b64decode(sys.argv[1])).decode())
     _site_packages()
-    # The framework is imported with the workspace on no path (a `unittest.py` or a
-    # `pytest/` in it cannot stand in), then the paths an editable install gave it
-    # come back after.
+    # The framework is imported with the workspace on no path, then the paths an
+    # editable install gave it come back after.
     inside = [p for p in sys.path if os.path.abspath(p) == cwd or os.path.abspath(p).startswith(cwd + os.sep)]
     saved = list(sys.path)
     sys.path[:] = [p for p in sys.path if p not in inside]
-    _framework_targets(cfg["framework"])
-    import select  # noqa: F401  (the parent's own needs, before the workspace is on any path)
-    import traceback  # noqa: F401
-
+    _framework(cfg["framework"])
     sys.path[:] = saved
+    sources, findings = pristine_sources(cfg, cwd)
+    ns = _child_namespace()
     _set_dumpable(False)
+    token = os.urandom(KEY_BYTES)
     read_fd, write_fd = os.pipe()
+    key_read, key_write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        child(cfg, write_fd, cwd)
+        os.close(key_write)
+        ns["child_main"](cfg, cwd, write_fd, key_read, token, sources)
     os.close(write_fd)
-    events, timed_out, status = read_events(read_fd, pid, float(cfg["timeout_s"]))
-    out = json.dumps(report(cfg, events, timed_out, status, time.monotonic() - t0)).encode()
+    os.close(key_read)
+    key = os.urandom(KEY_BYTES)  # made after the fork: the test process never held it
+    events, problems, timed_out, status = read_events(read_fd, key_write, token, key, pid, float(cfg["timeout_s"]))
+    out = json.dumps(report(cfg, events, problems, timed_out, status, time.monotonic() - t0, findings)).encode()
     while out:
         out = out[os.write(1, out):]
     os._exit(0)  # nothing left to finalise: the report is written

@@ -18,6 +18,7 @@ status for every id it was asked to run, else ``read_report`` says why it is unu
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import shlex
@@ -32,6 +33,9 @@ from pydantic import BaseModel, Field, ValidationError
 from kiln.shared.contracts import CaseStatus
 
 RUNNER = Path(__file__).with_name("runner.py")
+RUNNER_CHILD = (Path(__file__).with_name("runner_child.py"), Path(__file__).with_name("runner_drivers.py"))
+"""The test process's half of the runner (its core, then its framework drivers), inlined
+into the runner's source: one program."""
 MAX_CONFIG_BYTES = 96 * 1024
 """Compressed ids and arguments (a command line's single argument must stay under 128 KiB)."""
 
@@ -88,14 +92,21 @@ def runner_spec(test_command: str) -> RunnerSpec:
 
 @cache
 def _runner_source() -> str:
-    return RUNNER.read_text()
+    source = RUNNER.read_text()
+    marker = "\nCHILD_SOURCE = None"
+    assert source.count(marker) == 1, "runner.py must hold one CHILD_SOURCE line"
+    return source.replace(marker, "\nCHILD_SOURCE = " + repr("\n\n".join(p.read_text() for p in RUNNER_CHILD)), 1)
 
 
-def runner_command(test_command: str, ids: list[str], timeout_s: float) -> str:
+def runner_command(test_command: str, ids: list[str], timeout_s: float, test_files: dict[str, str] | None = None) -> str:
     """The bash command that runs ``ids`` through kiln's runner in a sandbox's workspace.
-    The runner's own deadline is ``timeout_s``; give the exec a little more."""
+    The runner's own deadline is ``timeout_s``; give the exec a little more.
+    ``test_files`` (path -> text: the task's, as the clean room wrote them) are compiled
+    by the runner before any workspace code runs, checked against their sha256."""
     spec = runner_spec(test_command)
-    config = json.dumps({"framework": spec.framework, "ids": ids, "args": list(spec.args), "timeout_s": timeout_s})
+    digests = {p: hashlib.sha256(t.encode()).hexdigest() for p, t in (test_files or {}).items()}
+    config = json.dumps({"framework": spec.framework, "ids": ids, "args": list(spec.args), "timeout_s": timeout_s,
+                         "test_files": digests})  # fmt: skip
     packed = base64.b64encode(zlib.compress(config.encode(), 9)).decode()
     if len(packed) > MAX_CONFIG_BYTES:
         raise UnsupportedTestCommand(f"{len(ids)} test ids are too many for one runner command ({len(packed)} bytes packed)")

@@ -1,0 +1,479 @@
+"""The test process of kiln's runner (``runner.py``). Never imported: ``runner_command``
+inlines this source into the runner's as ``CHILD_SOURCE``, and the parent executes it,
+before it forks and before any workspace code can run, in a namespace of its own whose
+builtins are a copy. ``child_main`` then runs in the forked test process.
+
+What a pass needs: the pristine test code ran to its end in a pristine framework.
+- **Pristine code**: the test modules are the parent's code objects, loaded by file
+  location (unittest: module objects made here and executed from those code objects;
+  pytest: a meta-path finder, kept first, serving exactly the protected files' names).
+  A module that replaces itself in ``sys.modules`` while it is imported is put back and
+  is tampering.
+- **The witness**: a test counts as passed only if the runner itself called its
+  function and saw it return normally, after checking that the function (each layer of
+  its ``__wrapped__`` chain) is the code compiled from the protected source, or library
+  code from outside the workspace, and that its code is the one defined under its name.
+  unittest: a wrapper on the test instance under the test method's name; pytest: a
+  ``pytest_pyfunc_call`` wrapper around the item's function. An expected failure (or
+  xfail) is a pass only where the protected source declares it; an expected-failure or
+  skip flag the source does not declare is tampering. A test the framework reported as
+  passed without the witness is tampering.
+- **A pristine framework**: before any workspace code runs, the identities (and
+  ``__code__``) of every function and class of the framework's modules (``unittest.*``;
+  ``pytest``, ``_pytest.*``, ``pluggy.*``), every builtin, the profile and trace hooks
+  (``sys``, ``threading``, ``sys.monitoring``), ``sys.modules['__main__']`` and the event
+  pipe's target are recorded, checked after every test (pytest: its outcome machinery)
+  and in full at the end; an audit hook (which no code can remove) records any
+  ``sys.settrace``/``sys.setprofile`` call and any ``__code__`` assignment to a pristine
+  function. Any difference is ``tampered``.
+- **The channel**: the functions on the report path (``os.write``, ``os.read``,
+  ``os._exit``, HMAC) are held by reference from before any workspace code ran; events
+  are HMAC-SHA256 over a sequence number and the payload, with a key read from the
+  parent once the test modules are imported; ``sys.modules['__main__']`` is a fresh
+  module, not the runner.
+
+What remains: code that deliberately reaches the runner's own objects (``gc``, frames,
+closures, ``ctypes``) can still forge; so can a patch made and undone within one test.
+"""
+
+import builtins
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import threading
+import time
+import traceback
+import types
+
+try:
+    from _hashlib import hmac_digest as _hmac_digest
+except ImportError:  # an interpreter without OpenSSL
+    from hmac import digest as _hmac_digest
+
+_write, _read, _close, _exit, _fstat, _dup2 = os.write, os.read, os.close, os._exit, os.fstat, os.dup2
+_abspath, _join, _sep = os.path.abspath, os.path.join, os.sep
+_monotonic = time.monotonic
+_getprofile, _gettrace = sys.getprofile, sys.gettrace
+_spec_from_file_location, _module_from_spec = importlib.util.spec_from_file_location, importlib.util.module_from_spec
+_import_module = importlib.import_module
+_iscoroutinefunction = inspect.iscoroutinefunction
+_format_exception_only = traceback.format_exception_only
+_FunctionType, _ModuleType = types.FunctionType, types.ModuleType
+_exec = exec
+MESSAGE_CHARS = 400
+KEY_BYTES = 32
+CO_OPTIMIZED = 1
+__unittest = True  # unittest leaves this code's frames out of tracebacks
+REPORT_PATH = ("write", "read", "close", "_exit", "dup2", "fstat", "fork", "pipe", "kill", "killpg")
+"""os functions a report depends on: replaced, they are tampering."""
+FRAMEWORK_TOPS = ("unittest", "pytest", "_pytest", "pluggy")
+CORE = ("unittest.case", "_pytest.runner", "_pytest.python", "_pytest.reports", "_pytest.skipping", "_pytest.outcomes",
+        "_pytest.unittest", "_pytest.main", "pluggy._callers", "pluggy._hooks", "pluggy._result", "pluggy._manager")
+"""Modules checked after every test (with their classes); the rest at the end."""
+
+
+def _plain(x):
+    t = type(x)
+    if t is str or t is int or t is float or t is bool or x is None:
+        return x
+    if isinstance(x, str):
+        return str.encode(x, "utf-8", "replace").decode("utf-8")
+    if isinstance(x, (list, tuple)):
+        return [_plain(y) for y in x]
+    return "?"
+
+
+def _text(err):
+    try:
+        return "".join(_format_exception_only(err[0], err[1])).strip()
+    except Exception:
+        return "?"
+
+
+def _xor(a, b):
+    return bytes(x ^ y for x, y in zip(a, b))
+
+
+class Channel:
+    """The child's side of the event pipe: ``ready`` (authenticated with the token the
+    parent gave before any workspace code ran), then one authenticated line per event
+    with the key the parent sends in answer, masked with the token (events before the
+    key wait for it)."""
+
+    def __init__(self, fd, key_fd, token):
+        self.fd, self.key_fd, self.token, self.key, self.seq, self.pending = fd, key_fd, token, None, 0, []
+
+    def _raw(self, data):
+        while data:
+            data = data[_write(self.fd, data):]
+
+    def ready(self):
+        if self.key is not None:
+            return
+        self._raw(b"ready " + _hmac_digest(self.token, b"ready", "sha256").hex().encode() + b"\n")
+        key = b""
+        while len(key) < KEY_BYTES:
+            chunk = _read(self.key_fd, KEY_BYTES - len(key))
+            if not chunk:
+                break
+            key += chunk
+        _close(self.key_fd)
+        self.key = _xor(key, _hmac_digest(self.token, b"key", "sha256"))
+        pending, self.pending = self.pending, []
+        for event in pending:
+            self.send(*event)
+
+    def send(self, *event):
+        if self.key is None:
+            self.pending.append(event)
+            return
+        payload = repr(tuple(_plain(x) for x in event)).encode()
+        mac = _hmac_digest(self.key, b"%d " % self.seq + payload, "sha256").hex().encode()
+        self.seq += 1
+        self._raw(mac + b" " + payload + b"\n")
+
+
+class Pristine:
+    """The parent's code objects of the protected test files, by path and module name."""
+
+    def __init__(self, sources, cwd):
+        self.cwd = cwd
+        self.files = {}
+        """absolute path -> (module code, declared marks, qualified name -> code)"""
+        self.names = {}
+        self.codes = {}
+        for rel, (names, code, declared) in sources.items():
+            path = _join(cwd, rel)
+            quals = {}
+            self._walk(code, "", quals)
+            self.files[path] = (code, declared, quals)
+            for n in names:
+                self.names.setdefault(n, []).append(path)
+
+    def _walk(self, code, prefix, quals):
+        self.codes[id(code)] = code
+        for c in code.co_consts:
+            if isinstance(c, type(code)):
+                q = prefix + c.co_name
+                quals[q] = c  # a later definition of the same name wins, as it does at run time
+                self._walk(c, q + (".<locals>." if c.co_flags & CO_OPTIMIZED else "."), quals)
+
+    def pristine(self, code):
+        return self.codes.get(id(code)) is code
+
+    def in_workspace(self, filename):
+        return _abspath(filename).startswith(self.cwd + _sep)
+
+    def path_of(self, name):
+        paths = self.names.get(name)
+        if not paths:
+            return None
+        if len(paths) == 1:
+            return paths[0]
+        for entry in sys.path:  # the same name in two folders: the one first on the path
+            for p in paths:
+                if os.path.dirname(p) == _abspath(entry or "."):
+                    return p
+        return None
+
+    def marks(self, path, qualname):
+        entry = self.files.get(path)
+        if entry is None:
+            return set()
+        parts, out = qualname.split("."), set(entry[1].get("", ()))
+        for i in range(1, len(parts) + 1):
+            out.update(entry[1].get(".".join(parts[:i]), ()))
+        return out
+
+    def verify(self, fn, path, qualname):
+        """(ok, tampering or None, why not ok) for a test's function."""
+        layers, f = [], fn
+        while True:
+            if type(f) is not _FunctionType or len(layers) > 16:
+                return False, None, "its test function is not a plain function"
+            layers.append(f)
+            f = vars(f).get("__wrapped__")
+            if f is None:
+                break
+        inner = layers[-1].__code__
+        if self.pristine(inner):
+            entry = self.files.get(path)
+            want = entry[2].get(qualname) if entry else None
+            name = qualname.rpartition(".")[2]
+            if want is None and entry is not None:
+                same = [c for c in entry[2].values() if c.co_name == name]
+                if same and not any(c is inner for c in same):
+                    return False, "%s runs the code of another test" % qualname, ""
+            elif want is not None and want is not inner:
+                return False, "%s runs the code of another test (%s)" % (qualname, inner.co_name), ""
+        elif path in self.files or _abspath(inner.co_filename) in self.files:
+            return False, "%s runs code that is not its protected source's" % qualname, ""
+        elif self.in_workspace(inner.co_filename):
+            return False, None, "its code is not in the task's test files (%s)" % os.path.relpath(_abspath(inner.co_filename), self.cwd)
+        for f in layers[:-1]:
+            if not self.pristine(f.__code__) and self.in_workspace(f.__code__.co_filename):
+                return False, "%s is wrapped by code from the workspace (%s)" % (qualname, f.__code__.co_name), ""
+        return True, None, ""
+
+
+def _attrs(obj):
+    out = {}
+    for k, v in list(vars(obj).items()):
+        f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
+        if f is not v or callable(v):
+            out[k] = (id(v), id(getattr(f, "__code__", None)) if type(f) is _FunctionType else 0)
+    return out
+
+
+class Guard:
+    """What every verdict depends on, recorded before any workspace code runs; ``check``
+    lists every difference (``found``: tampering)."""
+
+    def __init__(self, framework, cwd, fd, pristine, own):
+        self.cwd, self.fd, self.pristine = cwd, fd, pristine
+        self.found, self.shadowed, self.done_with = [], [], set()
+        self.stdlib = set(getattr(sys, "stdlib_module_names", ()))
+        self.loaded = set(sys.modules)
+        tops = FRAMEWORK_TOPS if framework == "pytest" else ("unittest",)
+        self.targets = [("builtins", builtins)] + own
+        for name in sorted(sys.modules):
+            m = sys.modules[name]
+            if name.partition(".")[0] in tops and isinstance(m, _ModuleType):
+                self.targets.append((name, m))
+                self.targets += [(name + "." + k, v) for k, v in sorted(vars(m).items())
+                                 if isinstance(v, type) and getattr(v, "__module__", None) == name]  # fmt: skip
+        self.core = [(n, o) for n, o in self.targets if n == "builtins" or n.startswith("kiln.") or n in CORE
+                     or n.rpartition(".")[0] in CORE or framework == "unittest"]  # fmt: skip
+        self.before = {n: _attrs(o) for n, o in self.targets}
+        self.state = self._state()
+
+    def tamper(self, what):
+        if what not in self.found:
+            self.found.append(what)
+
+    def _state(self):
+        s = {"sys.getprofile()": id(_getprofile()), "sys.gettrace()": id(_gettrace()),
+             "threading's profile hook": id(getattr(threading, "_profile_hook", None)),
+             "threading's trace hook": id(getattr(threading, "_trace_hook", None)),
+             "sys.modules['__main__']": id(sys.modules.get("__main__"))}  # fmt: skip
+        for name in REPORT_PATH:
+            s["os." + name] = id(getattr(os, name, None))
+        mon = getattr(sys, "monitoring", None)
+        for i in range(6) if mon is not None else ():
+            s["sys.monitoring tool %d" % i] = (mon.get_tool(i), mon.get_events(i))
+        try:
+            st = _fstat(self.fd)
+            s["the event channel"] = (st.st_dev, st.st_ino)
+        except OSError:
+            s["the event channel"] = None
+        return s
+
+    def audit(self, event, args):
+        try:
+            if event == "object.__setattr__":
+                if len(args) > 1 and args[1] == "__code__" and type(args[0]) is _FunctionType and self.pristine.pristine(args[0].__code__):
+                    self.tamper("the code of %s was replaced" % args[0].__qualname__)
+            elif event in ("sys.settrace", "sys.setprofile", "sys.monitoring.register_callback"):
+                self.tamper(event + " was called during the tests")
+        except Exception:  # an audit hook that raises would fail the audited operation
+            pass
+
+    def _from_workspace(self, v):
+        f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
+        if type(f) is _FunctionType:
+            return self.pristine.in_workspace(f.__code__.co_filename)
+        if isinstance(f, type):
+            where = getattr(sys.modules.get(getattr(f, "__module__", "")), "__file__", None)
+            return bool(where) and self.pristine.in_workspace(where)
+        return False
+
+    def rebase(self, tops):
+        """Take pytest's plugins' own changes into the record (``legacypath`` adds
+        properties at configure time, hypothesis wraps a fixture method): a change to
+        a module under ``tops`` made with code from outside the workspace is theirs;
+        one made with the workspace's code is tampering."""
+        for name, obj in self.targets:
+            if name.partition(".")[0] not in tops:
+                continue
+            now = _attrs(obj)
+            for attr in set(now) - set(self.before[name]) | {a for a in now if now[a] != self.before[name].get(a)}:
+                if self._from_workspace(vars(obj)[attr]):
+                    self.tamper("%s.%s" % (name, attr))
+            self.before[name] = now
+
+    def check(self, full=True, skip=()):
+        for name in list(sys.modules):
+            top = name.partition(".")[0]
+            if name in self.loaded or (top not in self.stdlib and top not in FRAMEWORK_TOPS):
+                continue
+            self.loaded.add(name)
+            where = getattr(sys.modules.get(name), "__file__", None) or ""
+            if where and self.pristine.in_workspace(where):
+                what = "module %s from the workspace (%s)" % (name, os.path.relpath(_abspath(where), self.cwd))
+                (self.found if top in FRAMEWORK_TOPS else self.shadowed).append(what)
+        for name, obj in self.targets if full else self.core:
+            if name.partition(".")[0] in skip:
+                continue
+            was, now = self.before[name], _attrs(obj)
+            if was != now:
+                for attr in sorted(set(was) | set(now)):
+                    if was.get(attr) != now.get(attr) and (name != "builtins" or attr in was):
+                        self.tamper("%s.%s" % (name, attr))
+        for what, value in self._state().items():
+            if self.state[what] != value:
+                self.tamper(what + " changed")
+        return self.found
+
+
+class Record:
+    def __init__(self):
+        self.returned, self.why, self.expect_failure = False, "", False
+
+
+class Witness:
+    """Calls each test's pristine function itself and records a normal return."""
+
+    def __init__(self, pristine, guard):
+        self.pristine, self.guard, self.records = pristine, guard, {}
+
+    def wrap(self, call, fn, path, qualname, rec):
+        verify = self.pristine.verify
+
+        def check():
+            ok, bad, why = verify(fn, path, qualname)
+            if bad:
+                self.guard.tamper(bad)
+            rec.why = rec.why or why or bad or ""
+            return ok
+
+        if _iscoroutinefunction(call):
+            async def witnessed(*a, **k):
+                ok = check()
+                r = await call(*a, **k)
+                rec.returned = ok and check()
+                return r
+        else:
+            def witnessed(*a, **k):
+                ok = check()
+                r = call(*a, **k)
+                rec.returned = ok and check()
+                return r
+        return witnessed
+
+    def install_unittest(self, test, tid):
+        rec = self.records[tid] = Record()
+        name, cls = test._testMethodName, type(test)
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        fn = vars(owner).get(name) if owner is not None else None
+        if type(fn) is not _FunctionType:
+            rec.why = "its test method is not a plain function"
+            return
+        path = self.pristine.path_of(getattr(owner, "__module__", ""))
+        qualname = owner.__qualname__ + "." + name
+        marks = self.pristine.marks(path, qualname)
+        flags = [vars(fn)] + [vars(k) for k in cls.__mro__]
+        if any(d.get("__unittest_expecting_failure__") for d in flags) and "xfail" not in marks:
+            self.guard.tamper("%s is marked an expected failure its source does not declare" % tid)
+        if any(d.get("__unittest_skip__") for d in flags) and "skip" not in marks:
+            self.guard.tamper("%s is marked skipped where its source does not say so" % tid)
+        rec.expect_failure = "xfail" in marks
+        witnessed = self.wrap(fn.__get__(test, cls), fn, path, qualname, rec)
+        for attr in ("__unittest_skip__", "__unittest_skip_why__"):
+            if attr in vars(fn):
+                setattr(witnessed, attr, vars(fn)[attr])
+        witnessed.__unittest_expecting_failure__ = rec.expect_failure
+        vars(test)[name] = witnessed
+        vars(test)["__unittest_expecting_failure__"] = rec.expect_failure
+
+    def verdict(self, tid, status, message, path, qualname):
+        """The status a test gets: the framework's, where the witness agrees."""
+        rec = self.records.get(tid)
+        if status == "xfail":
+            if "xfail" in self.pristine.marks(path, qualname):
+                return "passed", "expected failure"
+            self.guard.tamper("%s failed as an expected failure its source does not declare" % tid)
+            return "failed", "an expected failure its protected source does not declare"
+        if status == "passed" and not (rec is not None and rec.returned):
+            if rec is None or not rec.why:
+                self.guard.tamper("%s was reported passed, but its protected code did not run to its end" % tid)
+            return "failed", "not witnessed: " + (rec.why if rec is not None and rec.why else "its protected code did not return")
+        return status, message
+
+
+class Finder:
+    """First on ``sys.meta_path``: the protected test modules' names, from the parent's
+    code objects, whatever a workspace package of the same name says."""
+
+    def __init__(self, pristine, guard):
+        self.pristine, self.guard = pristine, guard
+
+    def find_spec(self, fullname, path=None, target=None):
+        where = self.pristine.path_of(fullname)
+        if where is None:
+            return None
+        return _spec_from_file_location(fullname, where, loader=Loader(self.pristine, self.guard, where))
+
+    def invalidate_caches(self):
+        pass
+
+
+class Loader:
+    def __init__(self, pristine, guard, path):
+        self.pristine, self.guard, self.path = pristine, guard, path
+
+    def create_module(self, spec):
+        return None
+
+    def is_package(self, fullname):
+        return False
+
+    def exec_module(self, module):
+        name = module.__name__
+        vars(module).setdefault("__builtins__", builtins)  # the real ones (this code's are a private copy)
+        _exec(self.pristine.files[self.path][0], vars(module))
+        if sys.modules.get(name) is not module:
+            self.guard.tamper("sys.modules[%r] was replaced while the test module was imported" % name)
+            sys.modules[name] = module
+
+
+def _dumpable():
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: the tests' own process
+    except Exception:
+        pass
+
+
+def child_main(cfg, cwd, events_fd, key_fd, token, sources):
+    ch = Channel(events_fd, key_fd, token)
+    try:
+        os.setpgid(0, 0)
+        _dumpable()
+        _dup2(2, 1)  # the tests print to the parent's stderr; the report (fd 1) is not theirs
+        sys.modules["__main__"] = _ModuleType("__main__")  # not the runner: nothing of it to patch there
+        pristine = Pristine(sources, cwd)
+        own = [("kiln." + c.__name__, c) for c in (Channel, Pristine, Guard, Record, Witness, Finder, Loader)]
+        guard = Guard(cfg["framework"], cwd, events_fd, pristine, own)
+        witness = Witness(pristine, guard)
+        finder = Finder(pristine, guard)
+        sys.addaudithook(guard.audit)
+        sys.meta_path.insert(0, finder)
+        sys.path.insert(0, cwd)
+        sys.argv = ["kiln-runner"]
+        if cfg["framework"] == "pytest":
+            run_pytest(cfg["ids"], cfg.get("args", []), ch, guard, witness, pristine, finder, cwd)
+        else:
+            run_unittest(cfg["ids"], ch, guard, witness, pristine, finder)
+        ch.ready()
+        ch.send("done", guard.check(skip=tuple(guard.done_with)), guard.shadowed[:20])
+    except BaseException as e:  # a SystemExit from the tests included: the run ended early
+        ch.ready()
+        ch.send("error", "runner", ("%s: %s" % (type(e).__name__, e))[:MESSAGE_CHARS])
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        _exit(0)
