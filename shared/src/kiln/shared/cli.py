@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     ti.add_argument("--image-python", default="", help="the interpreter tests run with on an image base")
     ti.add_argument("--split", default="train", help="the tasks' split")
     ti.add_argument("--timeout-s", type=float, default=300.0, help="the tasks' test timeout")
+    ti.add_argument("--exclude-newer", default="auto", metavar="auto|commit|none|DATE",
+                    help="resolve each environment's packages as of: the instance's created_at, else its commit's date "
+                         "(auto), the commit's date, no cut-off, or this date / UTC timestamp")
     ti.set_defaults(fn=cmd_tasks)
     bus = sub.add_parser("bus", help="the bus's credentials").add_subparsers(dest="action", required=True)
     bc = bus.add_parser("credentials", help="write per-service NATS passwords and the servers' authorization block (compose secrets)")

@@ -28,12 +28,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 WORKSPACE = "/workspace"
 """Where the repository layer's tree appears inside the sandbox."""
 VENV = "/opt/kiln/venv"
 """Where the python layer's virtual environment appears inside the sandbox."""
+
+
+_MOMENT = re.compile(r"\d{4}-\d{2}-\d{2}(T\d{2}:\d{2}:\d{2}(\.\d+)?Z)?")
 
 
 class EnvironmentInputError(ValueError):
@@ -86,6 +89,27 @@ class PythonSpec(_Spec):
     """Requirements files to install, as paths inside the repository."""
     packages: list[str] = Field(default_factory=list)
     """Explicit requirement strings (``pytest>=8``, ``attrs==23.2.0``)."""
+    exclude_newer: str | None = None
+    """Resolve as of this moment: uv's ``--exclude-newer`` (an RFC 3339 UTC timestamp
+    ``2024-03-01T12:00:00Z`` or a date ``2024-03-01``), so a repository of that era gets
+    the test tools of its era; None = the newest releases."""
+
+    @field_validator("exclude_newer")
+    @classmethod
+    def _moment(cls, v: str | None) -> str | None:
+        if v is not None and not _MOMENT.fullmatch(v):
+            raise ValueError(f"exclude_newer {v!r} is neither a date (2024-03-01) nor a UTC timestamp "
+                             "(2024-03-01T12:00:00Z)")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # Without a cut-off the spec dumps (and hashes) as it did before the field existed:
+        # every python layer digest of such a spec stays what it was.
+        d = handler(self)
+        if isinstance(d, dict) and d.get("exclude_newer") is None:
+            d.pop("exclude_newer", None)
+        return d
 
 
 class DirRepository(_Spec):

@@ -25,118 +25,40 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from kiln.shared.environments import EnvironmentSpec, GitRepository, HostBase, OciBase, PythonSpec
 from kiln.shared.tasks import Task, write_suite
-from kiln.shared.tasks.swe import (
-    GitRepo, Skip, _convert_ids, _id_list, _text, apply_patch, find_repository, test_command,
+from kiln.shared.tasks.importenv import (
+    DEFAULT_INTERPRETER, check_era, image_archive, inferred_python, load_env_specs, moment, override, swebench_images,
 )
+from kiln.shared.tasks.swe import (
+    _UNITTEST_ID, CONVENTIONS, GitRepo, PatchDoesNotApply, Skip, _convert_ids, _id_list, _text, apply_patch,
+    find_repository, format_mismatch, test_command,
+)
+from kiln.shared.tasks.testdeps import GitTree, is_test_path
+
+__all__ = ["FORMATS", "ImportResult", "Importer", "cmd_import", "load_env_specs", "read_rows", "r2e_parse_log"]
 
 FORMATS = ("swe-bench", "swe-gym", "swe-smith", "r2e-gym")
-DEFAULT_INTERPRETER = PythonSpec.model_fields["interpreter"].default
 DEFAULT_TIMEOUT_S = 300.0
-_TEST_EXTRAS = ("test", "tests", "testing")
-_ENV_SPEC_KEYS = {"interpreter", "python", "install_project", "extras", "requirements_files", "packages",
-                  "pip_packages", "setup"}
 
 
 @dataclass
 class ImportResult:
     tasks: list[Task] = field(default_factory=list)
     environments: list[EnvironmentSpec] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    """(instance id, reason)"""
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    """(instance id, reason, kind of reason)"""
 
-
-# -- environments ----------------------------------------------------------------------------
-
-
-def load_env_specs(path: str | Path) -> dict[str, dict[str, Any]]:
-    """``--env-specs FILE.toml``: tables keyed ``"owner/name@version"`` or ``"owner/name"``
-    with ``interpreter`` (or ``python = "3.9"``), ``install_project``, ``extras``,
-    ``requirements_files``, ``packages`` (or ``pip_packages``) and ``setup`` commands."""
-    data = tomllib.loads(Path(path).read_text())
-    for key, spec in data.items():
-        if not isinstance(spec, dict):
-            raise ValueError(f"{path}: [{key!r}] must be a table")
-        if unknown := set(spec) - _ENV_SPEC_KEYS:
-            raise ValueError(f"{path}: [{key!r}] has unknown keys {sorted(unknown)} (known: {sorted(_ENV_SPEC_KEYS)})")
-    return data
-
-
-def _python_from_table(t: dict[str, Any], interpreter: str) -> tuple[PythonSpec, list[str]]:
-    interp = t.get("interpreter") or (f"python{t['python']}" if t.get("python") else interpreter)
-    spec = PythonSpec(interpreter=interp, install_project=bool(t.get("install_project", True)),
-                      extras=list(t.get("extras", [])), requirements_files=list(t.get("requirements_files", [])),
-                      packages=[*t.get("packages", []), *t.get("pip_packages", [])])
-    return spec, list(t.get("setup", []))
-
-
-def declared_extras(repo: GitRepo, commit: str) -> set[str] | None:
-    """Extras the project declares at ``commit`` (pyproject, setup.cfg, setup.py); None
-    when it is no installable project."""
-    found: set[str] = set()
-    installable = False
-    if (raw := repo.read(commit, "pyproject.toml")) is not None:
-        try:
-            py = tomllib.loads(raw.decode("utf-8", "replace"))
-        except tomllib.TOMLDecodeError:
-            py = {}
-        if "project" in py or "build-system" in py or "tool" in py and "poetry" in py["tool"]:
-            installable = True
-        found |= set(py.get("project", {}).get("optional-dependencies", {}))
-        found |= set(py.get("tool", {}).get("poetry", {}).get("extras", {}))
-    if (raw := repo.read(commit, "setup.cfg")) is not None:
-        text = raw.decode("utf-8", "replace")
-        if m := re.search(r"^\[options\.extras_require\]\s*\n((?:[ \t]*[^\[\s].*\n|[ \t]*\n)*)", text, re.M):
-            found |= set(re.findall(r"^([A-Za-z0-9_.-]+)\s*=", m.group(1), re.M))
-        installable = installable or "[metadata]" in text
-    if (raw := repo.read(commit, "setup.py")) is not None:
-        installable = True
-        text = raw.decode("utf-8", "replace")
-        if "extras_require" in text:
-            found |= {x for x in _TEST_EXTRAS if re.search(rf"""["']{x}["']\s*:""", text)}
-    return found if installable else None
-
-
-def default_python(repo: GitRepo, commit: str, interpreter: str, runner: str) -> PythonSpec:
-    """install_project with a ``test``/``tests``/``testing`` extra if the project declares
-    one, plus pytest (pytest runs)."""
-    extras = declared_extras(repo, commit)
-    return PythonSpec(interpreter=interpreter, install_project=extras is not None,
-                      extras=[x for x in _TEST_EXTRAS if x in (extras or ())][:1],
-                      packages=["pytest"] if runner == "pytest" else [])
-
-
-def image_archive(images: Path | None, names: Iterable[str]) -> Path | None:
-    """``IMAGES/<name with / and : replaced by _>.tar`` of the first name that has one
-    (``:latest`` is tried with and without)."""
-    if images is None:
-        return None
-    for name in names:
-        if not name:
-            continue
-        variants = [name]
-        if name.endswith(":latest"):
-            variants.append(name.removesuffix(":latest"))
-        elif ":" not in name.rsplit("/", 1)[-1]:
-            variants.append(name + ":latest")
-        for v in variants:
-            p = images / (v.replace("/", "_").replace(":", "_") + ".tar")
-            if p.is_file():
-                return p.resolve()
-    return None
-
-
-def _swebench_images(instance_id: str) -> list[str]:
-    """The SWE-bench harness's instance image names (Docker Hub and local)."""
-    key = instance_id.replace("__", "_1776_").lower()
-    return [f"swebench/sweb.eval.x86_64.{key}:latest", f"sweb.eval.x86_64.{key}:latest",
-            f"sweb.eval.x86_64.{instance_id.lower()}:latest"]
+    def by_reason(self) -> list[tuple[str, int]]:
+        """(kind, count) of the skipped instances, most frequent first."""
+        counts: dict[str, int] = {}
+        for _, _, kind in self.skipped:
+            counts[kind] = counts.get(kind, 0) + 1
+        return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 # -- instances -------------------------------------------------------------------------------
@@ -161,10 +83,14 @@ class Importer:
     image_python: str = "python"
     split: str = "train"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    exclude_newer: str = "auto"
+    """The environments' resolution cut-off: ``auto`` (the instance's ``created_at``, else
+    its commit's date), ``commit``, ``none``, or a date / UTC timestamp for all."""
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown format {self.fmt!r}; one of {', '.join(FORMATS)}")
+        check_era(self.exclude_newer)
 
     def run(self, rows: Iterable[dict[str, Any]]) -> ImportResult:
         result = ImportResult()
@@ -173,16 +99,18 @@ class Importer:
         for n, row in enumerate(rows, 1):
             iid = str(row.get("instance_id") or row.get("docker_image") or f"line {n}")
             if iid in seen:
-                result.skipped.append((iid, "duplicate instance_id"))
+                result.skipped.append((iid, "duplicate instance_id", "duplicate instance_id"))
                 continue
             try:
+                if mismatch := format_mismatch(self.fmt, row):
+                    raise mismatch
                 m = {"swe-smith": self._swe_smith, "r2e-gym": self._r2e_gym}.get(self.fmt, self._swe_bench)(row, iid)
                 Task.model_validate({**m.task, "environment": "x"})
             except Skip as e:
-                result.skipped.append((iid, str(e)))
+                result.skipped.append((iid, str(e), e.kind))
                 continue
             except Exception as e:  # noqa: BLE001 - one bad instance must not stop the import
-                result.skipped.append((iid, f"{type(e).__name__}: {e}"))
+                result.skipped.append((iid, f"{type(e).__name__}: {e}", type(e).__name__))
                 continue
             seen.add(iid)
             mapped.append(m)
@@ -206,14 +134,15 @@ class Importer:
     def _repo(self, names: list[str]) -> GitRepo:
         path = find_repository(self.repos, names)
         if path is None:
-            raise Skip(f"repository {names[0]!r} not in {self.repos} (looked for {', '.join(dict.fromkeys(n.replace('/', '__') for n in names))})")
+            raise Skip(f"repository {names[0]!r} not in {self.repos} (looked for {', '.join(dict.fromkeys(n.replace('/', '__') for n in names))})",
+                       kind="repository not in --repos")
         return GitRepo(path)
 
     def _commit(self, repo: GitRepo, *revs: str | None) -> str:
         for rev in revs:
             if rev and (full := repo.resolve(rev)):
                 return full
-        raise Skip(f"commit {next((r for r in revs if r), '?')!r} not found in {repo.path}")
+        raise Skip(f"commit {next((r for r in revs if r), '?')!r} not found in {repo.path}", kind="commit not found")
 
     def _env(self, repo: GitRepo, commit: str, image: Path | None, python: PythonSpec | None, setup: list[str]) -> dict[str, Any]:
         env: dict[str, Any] = {"repository": GitRepository(url=str(repo.path), commit=commit).model_dump()}
@@ -226,12 +155,25 @@ class Importer:
             env["setup"] = setup
         return env
 
+    def _era(self, row: dict[str, Any], repo: GitRepo, commit: str) -> str | None:
+        if self.exclude_newer == "none":
+            return None
+        if self.exclude_newer == "auto" and (when := moment(row.get("created_at"))):
+            return when
+        if self.exclude_newer in ("auto", "commit"):
+            return repo.commit_date(commit)
+        return self.exclude_newer
+
     def _python(self, row: dict[str, Any], repo_name: str, repo: GitRepo, commit: str, runner: str) -> tuple[PythonSpec, list[str]]:
+        """What the repository at ``commit`` declares for its tests, as of the instance's
+        era, with the ``--env-specs`` table of ``repo@version`` or ``repo`` over it."""
+        spec, setup, _ = inferred_python(GitTree(repo.path, commit), self.interpreter, runner,
+                                         self._era(row, repo, commit))
         version = str(row.get("version") or "")
         for key in (f"{repo_name}@{version}", repo_name):
             if key in self.env_specs:
-                return _python_from_table(self.env_specs[key], self.interpreter)
-        return default_python(repo, commit, self.interpreter, runner), []
+                return override(spec, setup, self.env_specs[key])
+        return spec, setup
 
     def _task(self, iid: str, row: dict[str, Any], *, files, test_files, solution, runner, repo_name, test_paths,
               f2p, p2p, dropped, image, metadata) -> dict[str, Any]:
@@ -255,19 +197,42 @@ class Importer:
         repo_name = _required(row, "repo")
         repo = self._repo([repo_name])
         commit = self._commit(repo, _required(row, "base_commit"))
-        _, tests_after = apply_patch(repo, commit, str(row.get("test_patch") or ""), "test_patch")
-        _, gold_after = apply_patch(repo, commit, _required(row, "patch"), "patch")
+        tree = GitTree(repo.path, commit)
+        extra: dict[str, Any] = {}
+        tests_after: dict[str, str | None] = {}
+        if str(row.get("test_patch") or "").strip():
+            try:
+                _, tests_after = apply_patch(repo, commit, str(row["test_patch"]), "test_patch")
+            except PatchDoesNotApply as e:
+                if not e.reversed:
+                    raise
+                extra["test_patch_already_applied"] = True  # its tests are in the repository at the commit
+        try:
+            _, gold_after = apply_patch(repo, commit, _required(row, "patch"), "patch")
+        except PatchDoesNotApply as e:
+            if not e.reversed:
+                raise
+            raise Skip(f"patch (the fix) applies only in reverse at {commit[:12]}: the repository there already has it. "
+                       f"--format {self.fmt} expects {CONVENTIONS['swe-bench']}: give the commit with the bug as "
+                       "base_commit (a set whose `patch` introduces the bug into a clean commit is SWE-smith's: "
+                       "--format swe-smith)", kind="format mismatch: patch applies in reverse") from None
         test_files = {p: t for p, t in tests_after.items() if t is not None}
-        runner, f2p, p2p, dropped = _convert_ids(_id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS"),
-                                                 _id_list(row.get("PASS_TO_PASS"), "PASS_TO_PASS"), test_files)
-        image = image_archive(self.images, [row.get("image_name"), row.get("docker_image"), *_swebench_images(iid)])
+        f2p_raw = _id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
+        p2p_raw = _id_list(row.get("PASS_TO_PASS"), "PASS_TO_PASS")
+        runner, f2p, p2p, dropped = _convert_ids(f2p_raw, p2p_raw, test_files or _bare_id_sources(tree, f2p_raw + p2p_raw))
+        if test_files:
+            test_paths = [p for p in test_files if p.endswith(".py") and _is_test_path(p)]
+        else:  # no test patch: the tests are in the repository at base_commit, and protected from there
+            test_files = _files_of_ids(tree, runner, f2p, p2p)
+            test_paths = list(test_files)
+            extra["tests_in_repository"] = True
+        image = image_archive(self.images, [row.get("image_name"), row.get("docker_image"), *swebench_images(iid)])
         python, setup = self._python(row, repo_name, repo, commit, runner)
-        test_paths = [p for p in test_files if p.endswith(".py") and _is_test_path(p)]
         task = self._task(iid, row, files={}, test_files=test_files, runner=runner, repo_name=repo_name,
                           solution={p: t for p, t in gold_after.items() if t is not None},
                           test_paths=test_paths, f2p=f2p, p2p=p2p, dropped=dropped, image=image,
                           metadata={"base_commit": commit, "version": str(row.get("version") or ""),
-                                    "environment_setup_commit": row.get("environment_setup_commit") or ""})
+                                    "environment_setup_commit": row.get("environment_setup_commit") or "", **extra})
         return _Mapped(f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
 
     # -- SWE-smith: the repository is clean, ``patch`` introduces the bug --
@@ -281,7 +246,15 @@ class Importer:
         repo_name = base.replace("__", "/", 1) if "__" in base else base
         repo = self._repo([raw_repo, short, base, repo_name])
         commit = self._commit(repo, row.get("base_commit"), suffix)
-        clean, buggy = apply_patch(repo, commit, _required(row, "patch"), "patch (the bug)")
+        try:
+            clean, buggy = apply_patch(repo, commit, _required(row, "patch"), "patch (the bug)")
+        except PatchDoesNotApply as e:
+            if not e.reversed:
+                raise
+            raise Skip(f"patch (the bug) applies only in reverse at {commit[:12]}: the repository there already holds "
+                       f"it. --format swe-smith expects {CONVENTIONS['swe-smith']}; a commit that holds the bug with "
+                       f"`patch` as its fix follows SWE-bench's conventions ({CONVENTIONS['swe-bench']}): "
+                       "--format swe-bench", kind="format mismatch: patch applies in reverse") from None
         if any(t is None for t in buggy.values()):
             raise Skip("the bug patch deletes or renames a file (task files cannot delete)")
         f2p_raw = _id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
@@ -365,11 +338,39 @@ def _r2e_id(name: str, test_files: dict[str, str]) -> str:
     raise Skip(f"R2E test {name!r}: no test file defines it")
 
 
-def _is_test_path(path: str) -> bool:
-    parts = path.split("/")
-    name = parts[-1]
-    return (any(p in ("test", "tests", "testing") for p in parts[:-1]) or name.startswith("test_")
-            or name.endswith("_test.py") or name == "conftest.py")
+_is_test_path = is_test_path
+
+
+def _bare_id_sources(tree: GitTree, raw_ids: list[str]) -> dict[str, str]:
+    """The repository's test files at the commit, read only when some id is a bare name
+    (sympy's ``bin/test`` ids), which only the file defining it can place."""
+    if all("::" in i or _UNITTEST_ID.match(i.strip()) for i in raw_ids):
+        return {}
+    paths = [f for f in tree.files() if f.endswith(".py") and is_test_path(f)]
+    return {p: d.decode("utf-8", "replace") for p, d in tree.read_many(paths).items() if d is not None}
+
+
+def _files_of_ids(tree: GitTree, runner: str, f2p: list[str], p2p: list[str]) -> dict[str, str]:
+    """The test files the ids name (pytest's ``path::``, unittest's module), at the commit:
+    the files the clean room writes last."""
+    files = set(tree.files())
+    out: dict[str, str] = {}
+    for which, ids in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
+        for tid in ids:
+            if runner == "pytest":
+                path = tid.split("::", 1)[0]
+                found = path in files
+            else:  # module.Class.test: the longest dotted prefix that is a file
+                parts = tid.split(".")
+                path = next((p for n in range(len(parts) - 1, 0, -1)
+                             for p in ("/".join(parts[:n]) + ".py", "/".join(parts[:n]) + "/__init__.py") if p in files), "")
+                found = bool(path)
+            if not found:
+                raise Skip(f"{which} test {tid!r} names a file that is not in the repository at {tree.commit[:12]} "
+                           "(and there is no test_patch to add it)", kind="test file not in the repository")
+            if path not in out:
+                out[path] = _text(tree.read(path) or b"", path)
+    return out
 
 
 def _required(row: dict[str, Any], key: str) -> str:
@@ -414,24 +415,35 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 def cmd_import(a) -> int:
-    """``kiln tasks import``: print a summary; exit 1 only when nothing was imported."""
+    """``kiln tasks import``: one line per skipped instance, then the summary (imported,
+    skipped, skipped by reason) and the next step; exit 1 only when nothing was imported."""
     import sys
 
     try:
         rows = read_rows(a.file)
         env_specs = load_env_specs(a.env_specs) if a.env_specs else {}
         importer = Importer(a.format, Path(a.repos), Path(a.images) if a.images else None, env_specs,
-                            a.interpreter or DEFAULT_INTERPRETER, a.image_python or "python", a.split, a.timeout_s)
+                            a.interpreter or DEFAULT_INTERPRETER, a.image_python or "python", a.split, a.timeout_s,
+                            getattr(a, "exclude_newer", "") or "auto")
     except (OSError, ValueError) as e:
         print(f"kiln tasks import: {e}", file=sys.stderr)
         return 2
     result = importer.run(rows)
-    for iid, reason in result.skipped:
+    for iid, reason, _ in result.skipped:
         print(f"skipped {iid}: {reason}")
+    out = sys.stdout if result.tasks else sys.stderr
     if result.tasks:
         suite = write_suite(result.tasks, result.environments, a.out, "written by kiln tasks import")
         print(f"imported {len(result.tasks)} tasks over {len(result.environments)} environments into {suite}; "
               f"skipped {len(result.skipped)}")
+    else:
+        print(f"imported 0 tasks; skipped {len(result.skipped)}", file=out)
+    if result.skipped:
+        print("skipped by reason:", file=out)
+        for kind, n in result.by_reason():
+            print(f"  {n:5d}  {kind}", file=out)
+    if result.tasks:
+        print(f"next: kiln tasks validate --suite {suite}   (each task's tests in its environment: FAIL_TO_PASS "
+              "fails unchanged, everything passes with the gold patch, the tests import the repository's own code)")
         return 0
-    print(f"imported 0 tasks; skipped {len(result.skipped)}", file=sys.stderr)
     return 1

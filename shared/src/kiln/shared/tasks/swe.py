@@ -18,7 +18,20 @@ from typing import Any, Iterable
 
 
 class Skip(Exception):
-    """An instance that cannot be mapped; the message is the reason."""
+    """An instance that cannot be mapped; the message is the reason, ``kind`` the reason
+    without what is particular to the instance (the import's summary counts by it)."""
+
+    def __init__(self, reason: str, kind: str | None = None):
+        super().__init__(reason)
+        self.kind = kind or reason_kind(reason)
+
+
+def reason_kind(reason: str) -> str:
+    """A reason without its particulars: cut at its first ``:`` or `` (``, quoted text,
+    commit ids and numbers replaced by ``...``."""
+    head = re.split(r": | \(", reason, maxsplit=1)[0]
+    head = re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`", "...", head)
+    return re.sub(r"\b[0-9a-f]{7,40}\b|\b\d+\b", "...", head).strip()
 
 
 # -- git -------------------------------------------------------------------------------------
@@ -42,6 +55,13 @@ class GitRepo:
     def read(self, commit: str, path: str) -> bytes | None:
         out = _git(self.path, "cat-file", "blob", f"{commit}:{path}", check=False)
         return out.stdout if out.returncode == 0 else None
+
+    def commit_date(self, commit: str) -> str:
+        """The commit's committer date, as a UTC timestamp (``2023-01-07T11:08:11Z``)."""
+        from datetime import datetime, timezone
+
+        out = _git(self.path, "show", "-s", "--format=%ct", commit)
+        return datetime.fromtimestamp(int(out.stdout.decode().strip()), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def changed(self, a: str, b: str) -> list[tuple[str, str]]:
         """``(status letter, path)`` of ``git diff --name-status a b`` (renames as delete + add)."""
@@ -107,10 +127,21 @@ def patch_paths(patch: str) -> list[tuple[str | None, str | None]]:
     return [(a, b) for a, b in files]
 
 
-def apply_patch(repo: GitRepo, commit: str, patch: str, what: str) -> tuple[dict[str, str | None], dict[str, str | None]]:
-    """Apply ``patch`` to the files it touches at ``commit``; ``(before, after)``: path ->
-    text (None where the file does not exist on that side)."""
+class PatchDoesNotApply(Skip):
+    """``reversed``: the patch does apply in reverse (the commit already has it)."""
+
+    def __init__(self, reason: str, reversed: bool):
+        super().__init__(reason, "patch does not apply")
+        self.reversed = reversed
+
+
+def apply_patch(repo: GitRepo, commit: str, patch: str, what: str, reverse: bool = False) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """Apply ``patch`` (in reverse with ``reverse``) to the files it touches at ``commit``;
+    ``(before, after)``: path -> text (None where the file does not exist on that side).
+    ``PatchDoesNotApply`` says whether it would have applied the other way."""
     paths = patch_paths(patch)
+    if reverse:
+        paths = [(b, a) for a, b in paths]
     before: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-import-") as tmp:
         _git(tmp, "init", "-q")
@@ -126,9 +157,12 @@ def apply_patch(repo: GitRepo, commit: str, patch: str, what: str) -> tuple[dict
                     dest.write_bytes(data)
         patch_file = Path(tmp, ".git", "kiln-import.patch")
         patch_file.write_text(patch if patch.endswith("\n") else patch + "\n")
-        out = _git(tmp, "apply", "--whitespace=nowarn", str(patch_file), check=False)
+        direction = ["-R"] if reverse else []
+        out = _git(tmp, "apply", "--whitespace=nowarn", *direction, str(patch_file), check=False)
         if out.returncode != 0:
-            raise Skip(f"{what} does not apply at {commit[:12]}: {out.stderr.decode(errors='replace').strip()[-300:]}")
+            other = _git(tmp, "apply", "--check", *([] if reverse else ["-R"]), str(patch_file), check=False)
+            raise PatchDoesNotApply(f"{what} does not apply{' in reverse' if reverse else ''} at {commit[:12]}: "
+                                    f"{out.stderr.decode(errors='replace').strip()[-300:]}", other.returncode == 0)
         after: dict[str, str | None] = {}
         for old, new in paths:
             if old is not None and old != new:
@@ -234,3 +268,45 @@ def test_command(runner: str, repo: str, test_paths: list[str], ids: list[str], 
     if not modules:
         raise Skip("unittest ids but no test file to name its module")
     return f"{py} -m unittest -v " + " ".join(modules)
+
+
+# -- formats' conventions ------------------------------------------------------------------
+
+CONVENTIONS = {
+    "swe-bench": "the repository at `base_commit` holds the bug, `patch` fixes it (applies forwards there) and "
+                 "`test_patch` adds the tests (empty or absent: the tests are already in the repository)",
+    "swe-smith": "the repository at the commit is clean and `patch` introduces the bug (applies forwards there); "
+                 "`repo` is 'swesmith/owner__name.<commit8>'",
+    "r2e-gym": "`commit_hash` is the fix, its parent the start, and the tests come in `execution_result_content`",
+}
+"""What each format (family: SWE-Gym's is SWE-bench's) means by its fields."""
+FAMILY = {"swe-bench": "swe-bench", "swe-gym": "swe-bench", "swe-smith": "swe-smith", "r2e-gym": "r2e-gym"}
+_SMITH_REPO = re.compile(r"(?:swesmith/)?[^/\s]+__[^/\s]+\.[0-9a-f]{7,8}")
+
+
+def shape_of(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(format family, the evidence) when the instance's own fields say which format's
+    conventions it follows; None when they do not tell."""
+    repo = row.get("repo")
+    if "execution_result_content" in row or ("repo_name" in row and "commit_hash" in row and "repo" not in row):
+        return "r2e-gym", "it has R2E-Gym's execution_result_content / repo_name and commit_hash"
+    if isinstance(repo, str) and (repo.startswith("swesmith/") or _SMITH_REPO.fullmatch(repo)):
+        return "swe-smith", f"repo {repo!r} is SWE-smith's 'swesmith/owner__name.<commit8>'"
+    for key in ("test_patch", "environment_setup_commit"):
+        if key in row:
+            return "swe-bench", f"it has SWE-bench's {key!r} field"
+    if isinstance(repo, str) and re.fullmatch(r"[^/\s]+/[^/\s]+", repo) and "__" not in repo and row.get("base_commit"):
+        return "swe-bench", f"repo {repo!r} with a base_commit is SWE-bench's (SWE-smith's is 'swesmith/owner__name.<commit8>')"
+    return None
+
+
+def format_mismatch(fmt: str, row: dict[str, Any]) -> Skip | None:
+    """A ``Skip`` naming both conventions when the instance follows another format's than
+    ``fmt`` (importing it as ``fmt`` would make tasks whose tests contradict them)."""
+    shape = shape_of(row)
+    if shape is None or shape[0] == FAMILY[fmt]:
+        return None
+    family, evidence = shape
+    return Skip(f"this instance follows {family}'s conventions ({evidence}), not {fmt}'s. In {fmt}'s, "
+                f"{CONVENTIONS[FAMILY[fmt]]}; in {family}'s, {CONVENTIONS[family]}. Imported as {fmt} its tasks "
+                f"would be inverted or broken: use --format {family}", kind=f"format mismatch: looks like {family}")

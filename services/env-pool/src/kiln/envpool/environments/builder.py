@@ -239,7 +239,55 @@ def build_python(spec: EnvironmentSpec, sandbox: BuildSandbox) -> None:
         args += ["-e", f"{WORKSPACE}{extras}"]
     args += py.packages
     if args:
-        run_in(sandbox, spec.name, "python", [uv, "pip", "install", "--python", f"{VENV}/bin/python", *args], python=True)
+        # One resolution for everything: the editable project satisfies every requirement
+        # on its own name (pytest's on iniconfig or pluggy, a plugin's on its host), so no
+        # copy of it comes from the index to shadow the repository's files.
+        era = ["--exclude-newer", py.exclude_newer] if py.exclude_newer else []
+        run_in(sandbox, spec.name, "python",
+               [uv, "pip", "install", "--python", f"{VENV}/bin/python", *era, *args], python=True)
+        if py.install_project:
+            framework_copies(spec, sandbox, era)
+
+
+FRAMEWORK_DIR = f"{VENV}/kiln-framework"
+"""Pristine copies of distributions the test framework needs that the editable project
+provides (pytest needs iniconfig and pluggy): kiln's runner imports the framework with the
+workspace on no path, so the framework never runs the repository's code."""
+_FRAMEWORK_PROBE = r"""
+import importlib.metadata, json, os, sys
+inside = [p for p in sys.path if (os.path.abspath(p) + "/").startswith("/workspace/")]
+sys.path[:] = [p for p in sys.path if p not in inside]
+try:
+    import pytest  # noqa: F401
+    missing = None
+except ModuleNotFoundError as e:
+    missing = (e.name or "").partition(".")[0]
+sys.path[:] = sys.path + inside
+dists = importlib.metadata.packages_distributions().get(missing, []) if missing and missing != "pytest" else []
+print(json.dumps(dists))
+"""
+
+
+def framework_copies(spec: EnvironmentSpec, sandbox: BuildSandbox, era: list[str]) -> None:
+    """When the framework cannot be imported without the workspace (the repository is one
+    of its dependencies), install that distribution's release as of the era into
+    ``FRAMEWORK_DIR``, on the venv's path after the editable project's folders: where the
+    workspace is on the path its files come first, where it is not the framework finds its
+    own copy."""
+    import json
+
+    python = f"{VENV}/bin/python"
+    for _ in range(8):  # a chain: each round finds one more distribution
+        dists = json.loads(run_in(sandbox, spec.name, "python", [python, "-I", "-c", _FRAMEWORK_PROBE],
+                                  python=True).strip().splitlines()[-1])
+        if not dists:
+            return
+        run_in(sandbox, spec.name, "python",
+               [UV_IN_SANDBOX, "pip", "install", "--python", python, "--target", FRAMEWORK_DIR, "--no-deps", *era,
+                *dists], python=True)
+        run_in(sandbox, spec.name, "python", [python, "-c",
+               "import site; open(site.getsitepackages()[0] + '/zzz-kiln-framework.pth', 'w')"
+               f".write({FRAMEWORK_DIR!r} + '\\n')"], python=True)
 
 
 def run_setup(spec: EnvironmentSpec, sandbox: BuildSandbox) -> None:

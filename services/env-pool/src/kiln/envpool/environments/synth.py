@@ -4,10 +4,10 @@ suite (project issue 22).
 For each package (an sdist ``NAME==VERSION`` from the index, or a local folder):
 
 1. an environment: the repository (sdist at that version, or the folder), a venv with the
-   project installed editable plus the test dependencies it declares (extras named
-   ``test``/``tests``/``testing``; a tests requirements file; a ``[dependency-groups]``
-   group; else a dev requirements file; else the third-party modules its tests import),
-   and pytest; built with the node's ``EnvironmentCache``;
+   project installed editable plus the test dependencies it declares
+   (``kiln.shared.tasks.testdeps``: test extras, requirements files and dependency groups,
+   else dev ones, else tox's deps, else the third-party modules its tests import), and
+   pytest; built with the node's ``EnvironmentCache``;
 2. its tests, run once (``pytest -rA``, no network) in a copy of the repository: the
    passing set (tests failing on the original are dropped);
 3. procedural bugs (``kiln.shared.tasks.mutate``) in the package's own modules (never
@@ -28,17 +28,14 @@ rest ``train``, so held-out tasks are bugs in code no training task touches.
 from __future__ import annotations
 
 import asyncio
-import configparser
 import hashlib
 import logging
 import random
 import re
 import shlex
 import shutil
-import sys
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -50,6 +47,7 @@ from kiln.shared.environments import (
 from kiln.shared.tasks import Task, write_suite
 from kiln.shared.tasks.mutate import Mutation, Site, sites
 from kiln.shared.tasks.report import parse_test_report
+from kiln.shared.tasks.testdeps import TEST_DIRS, DirTree, is_test_path, test_dependencies
 
 from .cache import EnvironmentCache
 from .layers import BuiltEnvironment
@@ -61,16 +59,7 @@ log = logging.getLogger(__name__)
 PYTEST = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -rA -p no:cacheprovider --color=no"
 """How synthesized tasks run their tests (restricted to their test files)."""
 TRAIN, HELDOUT = "train", "heldout"
-TEST_EXTRAS = ("test", "tests", "testing")
-TEST_REQUIREMENTS = ("requirements/tests.txt", "requirements/test.txt", "requirements/testing.txt",
-                     "requirements-tests.txt", "requirements-test.txt", "requirements_test.txt",
-                     "test-requirements.txt", "test_requirements.txt", "tests/requirements.txt",
-                     "test/requirements.txt", "testing/requirements.txt")
-DEV_REQUIREMENTS = ("requirements-dev.txt", "requirements/dev.txt", "dev-requirements.txt", "requirements_dev.txt")
-IMPORT_DISTRIBUTIONS = {"yaml": "PyYAML", "dateutil": "python-dateutil", "attr": "attrs", "PIL": "Pillow",
-                        "sklearn": "scikit-learn", "bs4": "beautifulsoup4", "Crypto": "pycryptodome"}
-_TEST_DIRS = {"test", "tests", "testing"}
-_NOT_SOURCE_DIRS = _TEST_DIRS | {"docs", "doc", "examples", "example", "benchmarks", "bench", "scripts", "tools",
+_NOT_SOURCE_DIRS = TEST_DIRS | {"docs", "doc", "examples", "example", "benchmarks", "bench", "scripts", "tools",
                                  "ci", "ci_tools", "build", "dist", ".tox", ".nox"}
 _NOT_SOURCE_FILES = {"setup.py", "conftest.py", "noxfile.py", "versioneer.py", "_version.py", "version.py",
                      "__main__.py", "fabfile.py", "tasks.py"}
@@ -104,16 +93,6 @@ class Source:
         return cls(p.name, "local", DirRepository(path=str(p)))
 
 
-def _requirement_lines(path: Path) -> list[str]:
-    return [x.strip() for x in path.read_text(errors="replace").splitlines() if x.strip() and not x.strip().startswith("#")]
-
-
-def is_test_path(rel: str) -> bool:
-    parts = Path(rel).parts
-    name = parts[-1]
-    return bool(set(parts[:-1]) & _TEST_DIRS) or name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
-
-
 def source_modules(repo: Path) -> list[str]:
     """The package's own modules (relative paths): under ``src/`` when there is one, else
     in the top-level packages (folders with ``__init__.py``) and top-level modules;
@@ -134,79 +113,14 @@ def source_modules(repo: Path) -> list[str]:
     return out
 
 
-def _top_level_names(repo: Path) -> set[str]:
-    names = set()
-    for root in (repo, repo / "src"):
-        if root.is_dir():
-            for p in root.iterdir():
-                if p.suffix == ".py":
-                    names.add(p.stem)
-                elif p.is_dir():
-                    names.add(p.name)
-    return names
-
-
-def _imported_distributions(repo: Path) -> list[str]:
-    """Third-party modules the tests import (not stdlib, not the repository's own)."""
-    own = _top_level_names(repo)
-    found: set[str] = set()
-    for p in repo.rglob("*.py"):
-        rel = p.relative_to(repo).as_posix()
-        if not is_test_path(rel):
-            continue
-        own.add(p.stem)
-        for m in re.finditer(r"^\s*(?:import|from)\s+([A-Za-z_][\w]*)", p.read_text(errors="replace"), re.M):
-            found.add(m.group(1))
-    third = sorted(n for n in found if n not in sys.stdlib_module_names and n not in own and n not in ("pytest", "__future__"))
-    return [IMPORT_DISTRIBUTIONS.get(n, n) for n in third]
-
-
-def test_dependencies(repo: Path) -> tuple[list[str], list[str], list[str]]:
-    """(extras, requirements files, packages) declaring what the package's tests need."""
-    extras: list[str] = []
-    packages: list[str] = []
-    pyproject = repo / "pyproject.toml"
-    if pyproject.is_file():
-        try:
-            data = tomllib.loads(pyproject.read_text())
-        except tomllib.TOMLDecodeError:
-            data = {}
-        optional = (data.get("project") or {}).get("optional-dependencies") or {}
-        extras += [e for e in TEST_EXTRAS if e in optional]
-        groups = data.get("dependency-groups") or {}
-        for g in (*TEST_EXTRAS, "dev"):
-            if g in groups:
-                packages += [r for r in groups[g] if isinstance(r, str)]
-                break
-    setup_cfg = repo / "setup.cfg"
-    if setup_cfg.is_file() and not extras:
-        cp = configparser.ConfigParser(interpolation=None)
-        try:
-            cp.read_string(setup_cfg.read_text(errors="replace"))
-            if cp.has_section("options.extras_require"):
-                extras += [e for e in TEST_EXTRAS if cp.has_option("options.extras_require", e)]
-        except configparser.Error:
-            pass
-    setup_py = repo / "setup.py"
-    if setup_py.is_file() and not extras:
-        text = setup_py.read_text(errors="replace")
-        if m := re.search(r"extras_require\s*=\s*\{(.*?)\}", text, re.S):
-            extras += [e for e in TEST_EXTRAS if re.search(rf"['\"]{e}['\"]\s*:", m.group(1))]
-    reqs = [r for r in TEST_REQUIREMENTS if (repo / r).is_file()]
-    if not (extras or reqs or packages):
-        reqs = [r for r in DEV_REQUIREMENTS if (repo / r).is_file()][:1]
-    if not (extras or reqs or packages):
-        packages = _imported_distributions(repo)
-    return sorted(set(extras)), reqs, packages
-
-
 def environment_for(source: Source, repo: Path, interpreter: str = "python3.11") -> EnvironmentSpec:
     """The package's environment: its repository, editable install with its test
     dependencies, and pytest."""
-    extras, reqs, packages = test_dependencies(repo)
+    deps = test_dependencies(DirTree(repo))
     return EnvironmentSpec(name=source.env_name, repository=source.repository,
-                           python=PythonSpec(interpreter=interpreter, install_project=True, extras=extras,
-                                             requirements_files=reqs, packages=[*packages, "pytest"]))
+                           python=PythonSpec(interpreter=interpreter, install_project=True, extras=deps.extras,
+                                             requirements_files=deps.requirements_files,
+                                             packages=[*deps.packages, "pytest"]))
 
 
 # -- test runs --------------------------------------------------------------------------------

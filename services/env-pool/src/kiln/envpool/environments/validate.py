@@ -9,7 +9,13 @@ layers with ``environment_bwrap_args``: no network, ``task.timeout_s``.
 - ``unchanged``: every FAIL_TO_PASS test fails (failed, error or not reported) and every
   PASS_TO_PASS test passes;
 - ``solution``: with the reference ``solution`` written over the files (and the test files
-  written again, as the reward does before scoring), every one of them passes.
+  written again, as the reward does before scoring), every one of them passes;
+- ``imports``: in the unchanged workspace, the repository's own top-level modules that the
+  test files import (``kiln.shared.tasks.testdeps.tested_modules``) are imported by a probe
+  test run through kiln's runner like the task's tests (``PROBE_SOURCE``: it fails with the
+  files they came from); each must come from under ``/workspace``. One that resolves elsewhere (a copy of the same distribution that a
+  dependency pulled from the index into the venv) rejects the task: its tests would
+  exercise that copy, not the repository.
 
 A task without an environment runs on the host system (its ``/usr`` read-only, as plain
 sandboxes do) over a workspace holding only its files. An environment that cannot be
@@ -20,7 +26,9 @@ This is validation, not the hot path: the workspace is a plain copy.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,7 +39,10 @@ from typing import Callable
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import WORKSPACE
 from kiln.shared.tasks import Task, TaskSuite, write_suite_file
-from kiln.shared.tasks.testrun import ReportProblem, UnsupportedTestCommand, case_statuses, read_report, runner_command
+from kiln.shared.tasks.testdeps import DirTree, tested_modules
+from kiln.shared.tasks.testrun import (
+    ReportProblem, UnsupportedTestCommand, case_statuses, read_report, runner_command, runner_spec,
+)
 
 from .cache import EnvironmentCache
 from .layers import BuiltEnvironment, EnvironmentBuildError
@@ -40,6 +51,36 @@ from .sandbox import environment_bwrap_args
 HOST = BuiltEnvironment(name="host", digest="", host_base=True, layers=())
 """What a task without an environment runs in: the host's system, an empty workspace."""
 TAIL_CHARS = 1500
+PROBE_MODULE = "test_kiln_where_probe"
+PROBE_SOURCE = """import json
+import sys
+import unittest
+
+NAMES = {names!r}
+
+
+def _where():
+    found = {{}}
+    for name in NAMES:
+        try:
+            __import__(name)
+            found[name] = getattr(sys.modules[name], "__file__", None) or str(list(getattr(sys.modules[name], "__path__", []))[:1])
+        except Exception as e:
+            found[name] = None
+    return "KILN-WHERE " + json.dumps(found) + " KILN-END"
+
+
+def test_where():
+    raise AssertionError(_where())
+
+
+class KilnWhere(unittest.TestCase):
+    def test_where(self):
+        raise AssertionError(_where())
+"""
+"""A test that fails with where the repository's own modules came from, run through
+kiln's runner exactly as the task's tests are (so it sees what they see, whatever the
+runner imports first)."""
 
 
 @dataclass
@@ -66,10 +107,14 @@ class Verdict:
     environment_error: str | None = None
     runs: list[PhaseRun] = field(default_factory=list)
     seconds: float = 0.0
+    imports: dict[str, str | None] = field(default_factory=dict)
+    """The repository's own modules the tests import -> the file they resolve to in the
+    environment (None: not importable)."""
 
     def describe(self) -> str:
         if self.ok:
-            return f"ok {self.task_id} ({self.seconds:.1f}s)"
+            where = "; ".join(f"{m} from {w}" for m, w in self.imports.items())
+            return f"ok {self.task_id} ({self.seconds:.1f}s{'; the tests import ' + where if where else ''})"
         lines = [f"REJECTED {self.task_id}"] + [f"  {r}" for r in self.reasons]
         if self.output_tail:
             lines.append("  output tail:")
@@ -138,17 +183,73 @@ async def run_command(built: BuiltEnvironment, workspace: Path, command: str, ti
         return None, True, out.decode(errors="replace"), (err or b"").decode(errors="replace"), time.monotonic() - t0
 
 
-async def run_phase(built: BuiltEnvironment, task: Task, phase: str, scratch: Path) -> PhaseRun:
+def _tested_modules(task: Task, ws: Path) -> list[str]:
+    sources = list(task.test_files.values())
+    if not sources:
+        for path in dict.fromkeys(t.split("::", 1)[0] for t in task.fail_to_pass + task.pass_to_pass if "::" in t):
+            if (ws / path).is_file():
+                sources.append((ws / path).read_text(errors="replace"))
+    return tested_modules(DirTree(ws), sources)
+
+
+async def locate_imports(built: BuiltEnvironment, task: Task, ws: Path) -> dict[str, str | None]:
+    """The repository's own modules that the task's tests import -> the file they are
+    loaded from when a test imports them under kiln's runner in ``built`` over ``ws``
+    (None: not importable); empty when the tests import none of them or the test command
+    is no runner's."""
+    names = await asyncio.to_thread(_tested_modules, task, ws)
+    try:
+        spec = runner_spec(task.test_command)
+    except UnsupportedTestCommand:
+        return {}
+    if not names:
+        return {}
+    ids = [t for t in task.fail_to_pass + task.pass_to_pass if "::" in t]
+    folder = ids[0].split("::", 1)[0].rpartition("/")[0] if spec.framework == "pytest" and ids else ""
+    probe = f"{folder}/{PROBE_MODULE}.py" if folder else f"{PROBE_MODULE}.py"
+    (ws / probe).write_text(PROBE_SOURCE.format(names=names))
+    probe_id = f"{probe}::test_where" if spec.framework == "pytest" else f"{PROBE_MODULE}.KilnWhere.test_where"
+    command = runner_command(task.test_command, [probe_id], 120)
+    _, _, stdout, stderr, _ = await run_command(built, ws, command, 135)
+    try:
+        report = read_report(stdout, [probe_id])
+        text = "\n".join([*report.messages.values(), *(str(e) for e in report.errors)])
+    except ReportProblem:
+        text = stderr
+    m = re.search(r"KILN-WHERE (\{.*?\}) KILN-END", text)
+    try:
+        found = json.loads(m.group(1)) if m else {}
+    except ValueError:
+        found = {}
+    return {n: (os.path.normpath(found[n]) if found.get(n) else None) for n in names}
+
+
+def judge_imports(imports: dict[str, str | None]) -> list[str]:
+    """Reasons a task's imports reject it: an own module found outside the workspace."""
+    return [f"imports: the tests import {name} from {where}, not from the repository's files under {WORKSPACE}: "
+            "a copy of the same distribution in the environment (installed from the index, e.g. as a dependency "
+            "of the test requirements) shadows the repository, so the tests would not exercise its code; install "
+            "the project (python.install_project = true, resolved together with the test requirements) or put "
+            "its source folder on the path"
+            for name, where in imports.items() if where and not (where + "/").startswith(WORKSPACE + "/")]
+
+
+async def run_phase(built: BuiltEnvironment, task: Task, phase: str, scratch: Path,
+                    imports: dict[str, str | None] | None = None) -> PhaseRun:
     """One phase through kiln's runner, as reward runs it (``testrun.runner_command``): the
-    statuses come from its report, the output is what the tests printed."""
+    statuses come from its report, the output is what the tests printed. ``imports``, when
+    given, is filled with ``locate_imports`` over the same workspace after the run."""
     ws = await asyncio.to_thread(prepare_workspace, built, task, scratch / phase, phase == "solution")
     ids = task.fail_to_pass + task.pass_to_pass
     try:
         command = runner_command(task.test_command, ids, task.timeout_s)
     except UnsupportedTestCommand as e:
+        await asyncio.to_thread(shutil.rmtree, ws, True)
         return PhaseRun(phase, None, False, str(e), {t: CaseStatus.MISSING for t in ids}, 0.0, problem=str(e))
     try:
         rc, _, stdout, stderr, seconds = await run_command(built, ws, command, task.timeout_s + 15)
+        if imports is not None:
+            imports.update(await locate_imports(built, task, ws))
     finally:
         await asyncio.to_thread(shutil.rmtree, ws, True)
     try:
@@ -191,9 +292,9 @@ async def validate_task(built: BuiltEnvironment, task: Task, scratch_root: Path 
     with tempfile.TemporaryDirectory(prefix="kiln-validate-", dir=scratch_root) as scratch:
         phases = ["unchanged", "solution"] if task.solution is not None else ["unchanged"]
         for phase in phases:
-            run = await run_phase(built, task, phase, Path(scratch))
+            run = await run_phase(built, task, phase, Path(scratch), verdict.imports if phase == "unchanged" else None)
             verdict.runs.append(run)
-            reasons = judge(task, run)
+            reasons = (judge_imports(verdict.imports) if phase == "unchanged" else []) + judge(task, run)
             if reasons:
                 verdict.ok = False
                 verdict.reasons += reasons
