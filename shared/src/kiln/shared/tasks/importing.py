@@ -8,15 +8,18 @@ instance's starting commit; the suite is written as ``OUT/suite.toml`` (``tasks 
 - ``files``: ``{}`` (SWE-bench, SWE-Gym, R2E-Gym: the repository at the commit is the
   starting point) or the buggy files (SWE-smith: its ``patch`` introduces the bug);
 - ``test_files``: post-``test_patch`` contents of the files the test patch touches
-  (SWE-bench/SWE-Gym), R2E-Gym's own test files (``r2e_tests/``), the clean contents of
-  the files SWE-smith's FAIL_TO_PASS ids name;
+  (SWE-bench/SWE-Gym; with an empty or absent test patch the tests are in the repository:
+  the files the ids name, at the commit), R2E-Gym's own test files (``r2e_tests/``), the
+  clean contents of the files SWE-smith's FAIL_TO_PASS ids name;
 - ``solution``: post-gold-patch contents of the files the fix changes;
 - ids in kiln's format (``path::test`` for pytest, ``module.Class.test`` for unittest),
   the test command built from the files the ids and the test patch name.
 
 Repositories come from ``--repos DIR`` (``owner__name`` or ``owner/name``, bare or not),
 images from ``--images DIR`` (OCI/docker archives named after the image, ``/`` and ``:``
-replaced by ``_``). An instance that cannot be mapped is skipped with its reason.
+replaced by ``_``); environments are inferred from the repository at the commit as of the
+instance's era (``importenv``). An instance that cannot be mapped, or whose own fields
+show another format's conventions, is skipped with its reason.
 docs/tasks.md ("Importing public sets") has the field mapping of each format.
 """
 
