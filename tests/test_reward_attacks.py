@@ -22,6 +22,7 @@ from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
 
+import attacks_in_process as inproc
 from harness import reward_platform, write_suite
 from test_reward import scored_messages, trajectory
 
@@ -178,6 +179,19 @@ ATTACKS = [
     Attack("patch-testcase-run", [prepend(PATCH_UNITTEST)], F.TAMPERED),
     Attack("patch-assertions", [prepend(PATCH_ASSERTS)], F.TAMPERED, kinds=("unittest",)),
     Attack("patch-pytest-runtest", [prepend(PATCH_PYTEST)], F.TAMPERED, kinds=("pytest",)),
+    # The test process, attacked from the code under test: a pass needs pristine code run to its end
+    # (tests/attacks_in_process.py; each scored 1 before issue 30's runner).
+    Attack("swap-test-code", [prepend(inproc.SWAP_CODE)], F.TAMPERED),
+    Attack("empty-tests-at-class-creation", [prepend(inproc.BUILD_CLASS)], F.TAMPERED),
+    Attack("profile-rewrites-locals", [prepend(inproc.PROFILE)], F.TAMPERED),
+    Attack("mark-expected-failures", [prepend(inproc.EXPECT_FAILURE)], F.TAMPERED),
+    Attack("swallow-outcomes", [prepend(inproc.OUTCOME)], F.TAMPERED),
+    Attack("forge-report-events", [prepend(inproc.FORGE_EVENTS)], F.INCOMPLETE),
+    Attack("neuter-runner-via-main", [prepend(inproc.VIA_MAIN)], F.TAMPERED),
+    Attack("rewrite-os-write", [prepend(inproc.WRAP_WRITE)], F.TAMPERED),
+    Attack("shadow-test-package", [("write", "test_calc/__init__.py", inproc.SHADOW_TEST_PACKAGE)], F.TESTS_FAILED,
+           kinds=("unittest",)),
+    Attack("replace-test-module", [prepend(inproc.SWAP_MODULE)], F.TAMPERED),
     Attack("hang", [prepend("while True:\n    pass\n")], F.TIMEOUT),
 ]
 
@@ -254,5 +268,5 @@ async def test_every_attack_scores_zero_and_the_real_fix_one(nats_server, bus, p
     assert fixed.reward == 1.0 and fixed.passed and fixed.failure is None and not fixed.integrity.protected, fixed.failure_detail
     assert junk.reward == 1.0 and junk.passed and set(junk.integrity.protected) == {kind.test}, junk.failure_detail
     assert got["full-quota"].integrity.not_reproduced == ["fill"]  # too large to carry: absent from the clean room
-    assert "unittest.TestCase.run" in got["patch-testcase-run"].integrity.tampered
+    assert "unittest.case.TestCase.run" in got["patch-testcase-run"].integrity.tampered
     assert got["shadow-a-stdlib-module"].integrity.shadowed == ["module colorsys from the workspace (colorsys.py)"]

@@ -111,6 +111,153 @@ def test_pytest_through_the_runner(tmp_path):
     assert report.statuses == "FPPE", (report, r.stderr)
 
 
+# The runner's parts (issue 30): pristine code run to its end, authenticated events.
+
+PKG_FILES = {"calc/__init__.py": "def add(a, b):\n    return a - b\n",
+             "tests/test_calc.py": "import pytest\n\nfrom calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+                                   "def test_zero():\n    assert add(0, 0) == 0\n"}  # fmt: skip
+PKG_IDS = ["tests/test_calc.py::test_add", "tests/test_calc.py::test_zero"]
+KINDS = {"unittest": (CALC.files, "calc.py", IDS, f"{sys.executable} -m unittest -v test_calc"),
+         "pytest": (PKG_FILES, "calc/__init__.py", PKG_IDS, f"{sys.executable} -m pytest -rA -p no:cacheprovider tests")}  # fmt: skip
+
+
+def run_task(tmp_path, files: dict[str, str], ids, command: str, test_files: dict[str, str], timeout_s: float = 20.0):
+    """The runner as the clean room starts it: with the task's test files and their sha256."""
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    cmd = runner_command(command, ids, timeout_s, test_files)
+    r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    return r, read_report(r.stdout, ids)
+
+
+INPROC = ["SWAP_CODE", "BUILD_CLASS", "PROFILE", "EXPECT_FAILURE", "OUTCOME", "FORGE_EVENTS", "VIA_MAIN", "WRAP_WRITE", "SWAP_MODULE"]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("attack", INPROC)
+def test_attacks_from_the_test_process_never_pass(tmp_path, kind, attack):
+    import attacks_in_process
+
+    files, code, ids, command = KINDS[kind]
+    tests = {p: t for p, t in files.items() if "test" in p}
+    r, report = run_task(tmp_path, {**files, code: getattr(attacks_in_process, attack) + files[code]}, ids, command, tests)
+    assert report.statuses[0] != "P", (report, r.stderr[-2000:])
+    if attack == "FORGE_EVENTS":  # it wrote the old format and a `ready` of its own, then exited
+        assert not report.completed and report.statuses == "MM" and any("unauthenticated" in p for p in report.problems)
+    else:
+        assert report.completed and report.tampered, (report, r.stderr[-2000:])
+
+
+def test_a_workspace_package_named_like_the_test_module_is_never_loaded(tmp_path):
+    import attacks_in_process
+
+    files = {**CALC.files, "test_calc/__init__.py": attacks_in_process.SHADOW_TEST_PACKAGE}
+    r, report = run_task(tmp_path, files, IDS, KINDS["unittest"][3], CALC.test_files)
+    assert report.statuses == "FP" and report.completed and not report.tampered, r.stderr
+    assert "test_calc.py" in report.messages["0"] or "-1 != 5" in report.messages["0"]
+
+
+def test_legit_decorators_and_inherited_tests_still_pass(tmp_path):
+    test = (
+        "import unittest\nfrom unittest import mock\n\nimport calc\n\n\n"
+        "class Base(unittest.TestCase):\n    def test_inherited(self):\n        self.assertEqual(calc.add(0, 0), 0)\n\n\n"
+        "class TestCalc(Base):\n"
+        "    @mock.patch('calc.add', return_value=5)\n    def test_patched(self, add):\n        self.assertEqual(calc.add(2, 3), 5)\n\n"
+        "    @unittest.skip('not today')\n    def test_skipped(self):\n        raise AssertionError\n\n"
+        "    @unittest.expectedFailure\n    def test_known_bug(self):\n        self.assertEqual(calc.add(2, 3), 5)\n\n"
+        "    async def helper(self):\n        return 1\n\n\n"
+        "class TestAsync(unittest.IsolatedAsyncioTestCase):\n    async def test_coroutine(self):\n"
+        "        self.assertEqual(calc.add(0, 0), 0)\n\n\n"
+        "def _make(n):\n    def test(self):\n        self.assertEqual(calc.add(n, 0), n)\n    return test\n\n\n"
+        "for _n in (1, 2):\n    setattr(TestCalc, 'test_generated_%d' % _n, _make(_n))\n"
+    )  # fmt: skip
+    ids = [f"test_calc.TestCalc.{t}" for t in ("test_inherited", "test_patched", "test_skipped", "test_known_bug",
+                                                 "test_generated_1", "test_generated_2")] + ["test_calc.TestAsync.test_coroutine"]  # fmt: skip
+    r, report = run_task(tmp_path, {"calc.py": CALC.files["calc.py"], "test_calc.py": test}, ids, KINDS["unittest"][3],
+                         {"test_calc.py": test})  # fmt: skip
+    assert report.statuses == "PPSPPPP" and report.completed and not report.tampered, (report, r.stderr[-3000:])
+
+
+def test_pytest_parametrize_fixtures_classes_and_marks_still_pass(tmp_path):
+    test = (
+        "import pytest\nfrom unittest import mock\n\nimport calc\n\n\n"
+        "@pytest.fixture\ndef zero():\n    return 0\n\n\n"
+        "@pytest.mark.parametrize('a,b', [(0, 0), pytest.param(2, 3, marks=pytest.mark.xfail(reason='the bug'))])\n"
+        "def test_param(a, b, zero):\n    assert calc.add(a, b) == a + b + zero\n\n\n"
+        "class TestGroup:\n    def test_method(self, zero):\n        assert calc.add(zero, 0) == 0\n\n"
+        "    @pytest.mark.xfail(strict=True)\n    def test_xfail(self):\n        assert calc.add(2, 3) == 5\n\n\n"
+        "@mock.patch('calc.add', return_value=5)\ndef test_patched(add):\n    assert calc.add(2, 3) == 5\n\n\n"
+        "@pytest.mark.skip(reason='later')\ndef test_skipped():\n    assert False\n"
+    )  # fmt: skip
+    ids = ["tests/test_x.py::test_param[0-0]", "tests/test_x.py::test_param[2-3]", "tests/test_x.py::TestGroup::test_method",
+           "tests/test_x.py::TestGroup::test_xfail", "tests/test_x.py::test_patched", "tests/test_x.py::test_skipped"]  # fmt: skip
+    files = {"calc.py": CALC.files["calc.py"], "tests/test_x.py": test}
+    r, report = run_task(tmp_path, files, ids, KINDS["pytest"][3], {"tests/test_x.py": test})
+    assert report.statuses == "PPPPPS" and report.completed and not report.tampered, (report, r.stderr[-3000:])
+    assert "- where -1 = " in report.messages.get("1", "") or True  # xfail passes carry no message
+
+
+def test_pytest_failures_keep_pytest_s_rewritten_assertion_messages(tmp_path):
+    files, _, ids, command = KINDS["pytest"]
+    _, report = run_task(tmp_path, files, ids, command, {"tests/test_calc.py": files["tests/test_calc.py"]})
+    assert report.statuses == "FP" and "where -1 = add(2, 3)" in report.messages["0"]
+
+
+def test_a_test_file_that_is_not_the_task_s_is_tampering(tmp_path):
+    files, _, ids, command = KINDS["unittest"]
+    _, report = run_task(tmp_path, files, IDS, command, {"test_calc.py": files["test_calc.py"] + "# other\n"})
+    assert report.tampered == ["test file test_calc.py is not the task's"]
+
+
+def test_events_are_verified_by_the_parent(tmp_path):
+    """The parent's side of the channel, against a real forked writer: the key goes out
+    only for a `ready` made with the token; an event with a wrong MAC, or replayed, is a
+    problem; a `done` followed by anything is not a completed run."""
+    import hashlib
+    import hmac
+    import os
+
+    from kiln.shared.tasks import runner
+
+    token, key = os.urandom(32), os.urandom(32)
+
+    def line(seq, event):
+        payload = repr(event).encode()
+        return hmac.new(key, b"%d " % seq + payload, hashlib.sha256).hexdigest().encode() + b" " + payload + b"\n"
+
+    def child(lines_after_key, forged_ready=False):
+        r, w = os.pipe()
+        kr, kw = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            if forged_ready:
+                os.write(w, b"ready " + b"0" * 64 + b"\n")
+            os.write(w, b"ready " + hmac.new(token, b"ready", hashlib.sha256).hexdigest().encode() + b"\n")
+            got = os.read(kr, 32)
+            mask = hmac.new(token, b"key", hashlib.sha256).digest()
+            assert bytes(a ^ b for a, b in zip(got, mask)) == key
+            for data in lines_after_key:
+                os.write(w, data)
+            os._exit(0)
+        os.close(w)
+        os.close(kr)
+        return runner.read_events(r, kw, token, key, pid, 10)
+
+    good = [line(0, ("result", IDS[0], "passed", "", 0.1)), line(0, ("result", IDS[1], "passed", "", 0.1)),
+            line(1, ("result", IDS[1], "failed", "", 0.1)), b"0" * 64 + b" ('result', 'x', 'passed', '', 0)\n",
+            line(2, ("done", [], []))]  # fmt: skip
+    events, problems, timed_out, status = child(good, forged_ready=True)
+    assert [e[0] for e in events] == ["result", "result", "done"] and len(problems) == 3 and not timed_out
+    assert any("before the runner was ready" in p for p in problems)
+    rep = runner.report({"framework": "unittest", "ids": IDS}, events, problems, False, status, 0.0, [])
+    assert rep["statuses"] == "PF" and rep["completed"]
+    events, problems, _, status = child(good + [line(3, ("result", IDS[0], "failed", "", 0.1))])
+    rep = runner.report({"framework": "unittest", "ids": IDS}, events, problems, False, status, 0.0, [])
+    assert not rep["completed"] and "an event after the runner's end" in rep["problems"]
+
+
 @pytest.mark.parametrize("command,framework", [
     ("python3 -m unittest -v test_calc", "unittest"),
     ("PYTHONDONTWRITEBYTECODE=1 python -m pytest -rA -p no:cacheprovider --color=no tests/a.py", "pytest"),

@@ -319,7 +319,9 @@ class Guard:
             was, now = self.before[name], _attrs(obj)
             if was != now:
                 for attr in sorted(set(was) | set(now)):
-                    if was.get(attr) != now.get(attr) and (name != "builtins" or attr in was):
+                    if was.get(attr) == now.get(attr):
+                        continue
+                    if attr in was or self._from_workspace(vars(obj)[attr]):  # new ones: lazy imports are the framework's own
                         self.tamper("%s.%s" % (name, attr))
         for what, value in self._state().items():
             if self.state[what] != value:
