@@ -13,8 +13,11 @@ over-provisions 2x with ``max_staleness`` 1.
 
 Reported per mode, over steps 2..N (step 1 includes start-up): trajectories trained per
 second, learner idle fraction (time waiting for a full batch / wall time), mean and max
-staleness of trained trajectories, and the fraction of trained tokens sampled by an
-older policy than the one each step starts from. Prints a markdown table.
+staleness of trained trajectories, the fraction of trained tokens sampled by an
+older policy than the one each step starts from, and the groups dropped over the whole
+run by reason (the learner's ``dropped group <id>: <reason>`` log lines; the reasons are
+the controller's: ``stale``, ``infra_error``, ``deadline``, ``run_finished``,
+``no_signal``). Prints a markdown table.
 
 ``--set`` adds settings to every mode (e.g. ``model.num_hidden_layers=6`` for a learner
 whose step takes longer than rollout needs for a batch on these cores: the learner's
@@ -27,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import collections
 import io
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -91,9 +96,18 @@ async def run_mode(args, run_root: Path, mode: str) -> dict:
         "max_staleness": max(m.max_staleness for m in window),
         "off_policy": sum(m.off_policy_tokens for m in window) / max(1, gen),
         "dropped": sum(m.dropped_groups for m in steps),
+        "drops": drop_reasons(platform.run_dir),
         "step_s": sum(m.step_seconds for m in window) / len(window),
         "wall": wall,
     }
+
+
+def drop_reasons(run_dir: Path) -> collections.Counter:
+    """Groups dropped over the whole run (its end included), by reason, from the learner's log."""
+    drops = collections.Counter()
+    for log in (run_dir / "logs").glob("learner*.log"):
+        drops.update(re.findall(r"dropped group \S+: (\w+)", log.read_text(errors="replace")))
+    return drops
 
 
 def main() -> None:
@@ -129,12 +143,13 @@ def main() -> None:
     print(f"\nsim engine: lognormal lengths median {args.median:g} tokens, sigma {args.sigma:g}; batch {args.groups} groups x "
           f"{args.samples} samples; decoder {args.groups * args.samples} sequences x {args.step_s * 1000:g} ms/token; "
           f"{args.steps} steps (2..{args.steps} measured){'; ' + ', '.join(args.set) if args.set else ''}\n")
-    print("| mode | trajectories/s | vs sync | learner idle | mean staleness | max staleness | off-policy tokens | dropped groups | learner step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | trajectories/s | vs sync | learner idle | mean staleness | max staleness | off-policy tokens | dropped groups | learner step | dropped by reason (whole run) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rel = f"{r['traj_per_s'] / base:.2f}x" if base else "-"
         print(f"| {r['mode']} | {r['traj_per_s']:.2f} | {rel} | {r['idle']:.1%} | {r['mean_staleness']:.2f} | "
-              f"{r['max_staleness']} | {r['off_policy']:.1%} | {r['dropped']} | {r['step_s']:.2f} s |")
+              f"{r['max_staleness']} | {r['off_policy']:.1%} | {r['dropped']} | {r['step_s']:.2f} s | "
+              f"{', '.join(f'{k} {v}' for k, v in sorted(r['drops'].items())) or 'none'} |")
 
 
 if __name__ == "__main__":

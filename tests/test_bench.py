@@ -230,8 +230,9 @@ def test_rollout(rollout_bench):
     out, run = rollout_bench
     rows = table(out, "| mode | trajectories/s | vs sync | learner idle |")
     assert [r[0] for r in rows] == ["april"] and rows[0][2] == "-"  # no sync row to compare with
-    for x in rows[0][1:2] + rows[0][3:]:
+    for x in rows[0][1:2] + rows[0][3:9]:
         number(x)
+    assert re.fullmatch(r"none|(\w+ \d+)(, \w+ \d+)*", rows[0][9]), rows[0]
     assert f"run folders kept: {run}" in out
     assert (run / "config.toml").is_file() and (run / "db" / "pg").is_dir()
 
