@@ -44,13 +44,12 @@ Invariants:
 import ast
 import base64
 import builtins
-import hashlib
-import hmac
 import json
 import os
 import sys
 import time
 import zlib
+from _operator import _compare_digest
 
 REPORT_VERSION = 1
 MESSAGE_CHARS = 400
@@ -64,6 +63,32 @@ KEY_BYTES = 32
 MAX_SOURCE_BYTES = 8 << 20
 CHILD_SOURCE = None  # runner_command inlines runner_child.py + runner_drivers.py here
 MARKS = {"xfail": "xfail", "expectedFailure": "xfail", "skip": "skip", "skipIf": "skip", "skipUnless": "skip", "skipif": "skip"}
+
+
+def _sha256():
+    """The built-in sha256 (``hashlib`` would load OpenSSL: milliseconds a run)."""
+    for name in ("_sha2", "_sha256"):
+        try:
+            return __import__(name).sha256
+        except (ImportError, AttributeError):
+            pass
+    import hashlib
+
+    return hashlib.sha256
+
+
+SHA256 = _sha256()
+
+
+class Mac:
+    """HMAC-SHA256 (RFC 2104) over the built-in sha256; runner_child.py holds the same."""
+
+    def __init__(self, key):
+        key = key.ljust(64, b"\0")
+        self.inner, self.outer = bytes(k ^ 0x36 for k in key), bytes(k ^ 0x5C for k in key)
+
+    def digest(self, msg):
+        return SHA256(self.outer + SHA256(self.inner + msg).digest()).digest()
 
 
 def _site_packages():
@@ -102,10 +127,6 @@ def _framework(framework):
     import unittest.runner  # noqa: F401
     import unittest.suite  # noqa: F401
 
-    try:
-        import _hashlib  # noqa: F401
-    except ImportError:
-        pass
     if framework == "pytest":
         import pytest  # noqa: F401
         import _pytest.assertion.rewrite  # noqa: F401
@@ -196,7 +217,7 @@ def pristine_sources(cfg, cwd):
             findings.append("test file %s cannot be read (%s)" % (rel, e.strerror))
             continue
         digest = (cfg.get("test_files") or {}).get(rel)
-        if digest and hashlib.sha256(source).hexdigest() != digest:
+        if digest and SHA256(source).hexdigest() != digest:
             findings.append("test file %s is not the task's" % rel)
             continue
         names = sorted(_module_names(rel) | ({id_name} if id_name else set()))
@@ -231,14 +252,14 @@ def read_events(fd, key_fd, token, key, pid, timeout_s):
 
     deadline = time.monotonic() + timeout_s
     buf, timed_out, status, events, problems, seq = b"", False, None, [], [], 0
-    keyed = False
+    keyed, by_token, by_key = False, Mac(token), Mac(key)
 
     def take(line):
         nonlocal keyed, seq
         if not keyed:
-            if hmac.compare_digest(line, b"ready " + hmac.new(token, b"ready", hashlib.sha256).hexdigest().encode()):
+            if _compare_digest(line, b"ready " + by_token.digest(b"ready").hex().encode()):
                 keyed = True
-                mask = hmac.new(token, b"key", hashlib.sha256).digest()
+                mask = by_token.digest(b"key")
                 out = bytes(a ^ b for a, b in zip(key, mask))
                 while out:
                     out = out[os.write(key_fd, out):]
@@ -247,8 +268,8 @@ def read_events(fd, key_fd, token, key, pid, timeout_s):
                 problems.append("unauthenticated output before the runner was ready: %r" % line[:60])
             return
         mac, _, payload = line.partition(b" ")
-        want = hmac.new(key, b"%d " % seq + payload, hashlib.sha256).hexdigest().encode()
-        if not hmac.compare_digest(mac, want):
+        want = by_key.digest(b"%d " % seq + payload).hex().encode()
+        if not _compare_digest(mac, want):
             problems.append("an event that does not authenticate: %r" % line[:60])
             return
         seq += 1

@@ -47,10 +47,31 @@ import time
 import traceback
 import types
 
-try:
-    from _hashlib import hmac_digest as _hmac_digest
-except ImportError:  # an interpreter without OpenSSL
-    from hmac import digest as _hmac_digest
+
+def _sha256():
+    for name in ("_sha2", "_sha256"):
+        try:
+            return __import__(name).sha256
+        except (ImportError, AttributeError):
+            pass
+    import hashlib
+
+    return hashlib.sha256
+
+
+_SHA256 = _sha256()
+
+
+class Mac:
+    """HMAC-SHA256 (RFC 2104), as runner.py's."""
+
+    def __init__(self, key):
+        key = key.ljust(64, b"\0")
+        self.inner, self.outer = bytes(k ^ 0x36 for k in key), bytes(k ^ 0x5C for k in key)
+
+    def digest(self, msg):
+        return _SHA256(self.outer + _SHA256(self.inner + msg).digest()).digest()
+
 
 _write, _read, _close, _exit, _fstat, _dup2 = os.write, os.read, os.close, os._exit, os.fstat, os.dup2
 _abspath, _join, _sep = os.path.abspath, os.path.join, os.sep
@@ -112,7 +133,8 @@ class Channel:
     def ready(self):
         if self.key is not None:
             return
-        self._raw(b"ready " + _hmac_digest(self.token, b"ready", "sha256").hex().encode() + b"\n")
+        by_token = Mac(self.token)
+        self._raw(b"ready " + by_token.digest(b"ready").hex().encode() + b"\n")
         key = b""
         while len(key) < KEY_BYTES:
             chunk = _read(self.key_fd, KEY_BYTES - len(key))
@@ -120,7 +142,7 @@ class Channel:
                 break
             key += chunk
         _close(self.key_fd)
-        self.key = _xor(key, _hmac_digest(self.token, b"key", "sha256"))
+        self.key = Mac(_xor(key, by_token.digest(b"key")))
         pending, self.pending = self.pending, []
         for event in pending:
             self.send(*event)
@@ -130,7 +152,7 @@ class Channel:
             self.pending.append(event)
             return
         payload = repr(tuple(_plain(x) for x in event)).encode()
-        mac = _hmac_digest(self.key, b"%d " % self.seq + payload, "sha256").hex().encode()
+        mac = self.key.digest(b"%d " % self.seq + payload).hex().encode()
         self.seq += 1
         self._raw(mac + b" " + payload + b"\n")
 
@@ -457,7 +479,7 @@ def child_main(cfg, cwd, events_fd, key_fd, token, sources):
         _dup2(2, 1)  # the tests print to the parent's stderr; the report (fd 1) is not theirs
         sys.modules["__main__"] = _ModuleType("__main__")  # not the runner: nothing of it to patch there
         pristine = Pristine(sources, cwd)
-        own = [("kiln." + c.__name__, c) for c in (Channel, Pristine, Guard, Record, Witness, Finder, Loader)]
+        own = [("kiln." + c.__name__, c) for c in (Mac, Channel, Pristine, Guard, Record, Witness, Finder, Loader)]
         guard = Guard(cfg["framework"], cwd, events_fd, pristine, own)
         witness = Witness(pristine, guard)
         finder = Finder(pristine, guard)
