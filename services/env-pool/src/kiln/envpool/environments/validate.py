@@ -242,7 +242,7 @@ async def run_phase(built: BuiltEnvironment, task: Task, phase: str, scratch: Pa
     ws = await asyncio.to_thread(prepare_workspace, built, task, scratch / phase, phase == "solution")
     ids = task.fail_to_pass + task.pass_to_pass
     try:
-        command = runner_command(task.test_command, ids, task.timeout_s)
+        command = runner_command(task.test_command, ids, task.timeout_s, task.test_files)
     except UnsupportedTestCommand as e:
         await asyncio.to_thread(shutil.rmtree, ws, True)
         return PhaseRun(phase, None, False, str(e), {t: CaseStatus.MISSING for t in ids}, 0.0, problem=str(e))
