@@ -142,3 +142,21 @@ def test_training_gradients_ignore_the_padding_mask(monkeypatch):
     assert loss == pytest.approx(loss_dense, rel=1e-5, abs=1e-6)
     for name, g in grads_dense.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_memory_bench_runs_both_trees():
+    """``bench/learner.py --memory`` (the docs' before/after table) at its smallest: one
+    shape, each tree once (this checkout standing in for the ``--before`` tree)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "learner.py"), "--memory", "--shapes", "2x32", "--repeats", "1",
+         "--steps", "2", "--before", str(ROOT)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| rows x tokens | tokens | before peak MiB | before s/step | after peak MiB | after s/step |" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 2 x 32 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "64" and all(float(c.split()[0].replace(",", "")) >= 0 for c in cells[2:]), row
