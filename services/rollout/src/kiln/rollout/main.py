@@ -86,6 +86,11 @@ def make_engine(cfg: RolloutConfig, instance: str) -> InferenceEngine:
 
         log.warning("engine = sim: tokens are random and logprobs made up (benchmarks and tests only)")
         return SimEngine(r.sim)
+    if r.engine == "scripted":
+        from kiln.rollout.scripted import ScriptedEngine
+
+        log.warning("engine = scripted: every episode replays [rollout.scripted] (tests only)")
+        return ScriptedEngine(r.scripted)
     return TorchEngine(r.torch_threads)
 
 
