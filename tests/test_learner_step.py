@@ -82,9 +82,10 @@ def test_activation_checkpointing_step_equals_the_plain_step(monkeypatch, shape)
         torch.testing.assert_close(grads_ac[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_activation_checkpointing_step_in_mxfp8(monkeypatch):
+@pytest.mark.parametrize("shape", ["tiny", "mixtral"])  # mixtral: the smollm2-moe preset's layout and precision
+def test_activation_checkpointing_step_in_mxfp8(monkeypatch, shape):
     pytest.importorskip("torchao.prototype.moe_training", reason="torchao is a learner dependency")
-    cfg = SHAPES["tiny"]()
+    cfg = SHAPES[shape]()
     monkeypatch.setattr(experts_mod, "_SUPPORTED", {})
     loss_ac, grads_ac = one_step(cfg, True, "mxfp8")
     loss, grads = one_step(cfg, False, "mxfp8")
