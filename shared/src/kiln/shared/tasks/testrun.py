@@ -20,11 +20,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import marshal
 import re
 import shlex
 import zlib
 from dataclasses import dataclass
 from functools import cache
+from importlib.util import MAGIC_NUMBER
 from pathlib import Path
 from typing import Literal
 
@@ -92,10 +94,16 @@ def runner_spec(test_command: str) -> RunnerSpec:
 
 @cache
 def _runner_source() -> str:
+    """runner.py with the test process's source inlined (zlib, base64) and, for an
+    interpreter of this one's bytecode version, its code already compiled (marshal):
+    compiling it in every run cost more than the rest of the runner's own work."""
     source = RUNNER.read_text()
     marker = "\nCHILD_SOURCE = None"
     assert source.count(marker) == 1, "runner.py must hold one CHILD_SOURCE line"
-    return source.replace(marker, "\nCHILD_SOURCE = " + repr("\n\n".join(p.read_text() for p in RUNNER_CHILD)), 1)
+    child = "\n\n".join(p.read_text() for p in RUNNER_CHILD)
+    code = marshal.dumps(compile(child, "<kiln-runner-child>", "exec", dont_inherit=True))
+    packed = [base64.b64encode(zlib.compress(b, 9)).decode() for b in (child.encode(), code)]
+    return source.replace(marker, f"\nCHILD_SOURCE = ({packed[0]!r}, {MAGIC_NUMBER.hex()!r}, {packed[1]!r})", 1)
 
 
 def runner_command(test_command: str, ids: list[str], timeout_s: float, test_files: dict[str, str] | None = None) -> str:
