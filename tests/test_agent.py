@@ -328,3 +328,23 @@ async def test_the_loop_speaks_the_configured_tool_format(envpool):
     assert "<function=example_function_name>" in TOK.decode(engine.prompts[0], skip_special_tokens=False)
     assert t.messages[2].tool_calls[0].name == "read_file" and t.messages[3].content == TASK.files["calc.py"]
     await envpool.destroy(t.sandbox)
+
+
+async def test_a_command_past_the_turns_tool_time_is_an_observation_not_an_infra_error(envpool):
+    """A slow command is the policy's own doing: env-pool kills it at what is left of the
+    turn's tool time and answers within it, so the episode goes on (never infra_error)."""
+    engine = ScriptedEngine([
+        tool_call("run_terminal_cmd", command="sleep 60", timeout=60) + tool_call("run_terminal_cmd", command="echo later")
+        + chat.EOS,
+        tool_call("write_file", path="a/" * 130 + "x.py", content="x") + chat.EOS,
+        "Done." + chat.EOS,
+    ])  # fmt: skip
+    t0 = time.monotonic()
+    t = await episode(engine, envpool, max_turns=4, max_new_tokens=512, tool_timeout_s=2.0)
+    assert time.monotonic() - t0 < 30  # the 60 s sleep was cut at the turn's 2 s
+    assert t.status == c.TrajectoryStatus.FINISHED and t.infra_error is None and t.finish_reason == "no_tool_call"
+    slow, later, long_path = [m.content for m in t.messages if m.role == "tool"]
+    assert "exit code: -9" in slow and "[killed: command exceeded its" in slow
+    assert "this turn's time for tool calls was spent" in json.loads(later)["error"]
+    assert "131 levels long; workspace paths have at most 1024 characters and 128 levels" in json.loads(long_path)["error"]
+    assert t.final_diff.changed == {} and not t.final_diff.truncated

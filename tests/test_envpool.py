@@ -351,6 +351,43 @@ async def test_diff_against_the_task(envpool, bus):
     assert "GIT binary patch" in d.patch and "diff --git a/new/n.py b/new/n.py" in d.patch
 
 
+async def test_nothing_the_workspace_holds_breaks_the_node(envpool, bus):
+    """Paths past PATH_MAX, a tree deeper than Python's recursion limit, tens of thousands
+    of files, commands too long for execve, NUL in a path: every one is bounded and
+    answered (an observation, a truncated diff), never a failed request."""
+    pool = EnvPoolClient(bus)
+    ref = await pool.create("fix-calc")
+    make = ("(n=$(printf 'd%.0s' $(seq 250)); for i in $(seq 20); do mkdir $n && cd $n || exit 1; done; echo x > f) && "
+            "mkdir -p $(printf 'a/%.0s' $(seq 1500)) && mkdir junk && cd junk && seq 1 50000 | xargs touch")  # fmt: skip
+    r = await pool.exec(ref, make, 60)
+    assert r.exit_code == 0, r.stderr
+    assert (await pool.exec(ref, "ls junk | wc -l", 10)).stdout.strip() == "50000"  # usage walked the tree after each
+    t0 = time.monotonic()
+    d = await pool.diff(ref)
+    assert time.monotonic() - t0 < 15
+    assert "more than 10000 files" in d.truncated and len(d.changed) <= 10_001  # the walk stops at the first past the bound
+    assert {o[:1] for o in d.omitted} == {"a", "d"} and all(len(o) <= 1024 + 256 for o in d.omitted)  # the first name past the bound
+    for cmd in ("echo " + "x" * 200_000, "echo " + "\u00e9" * 60_000, "echo a\0b"):
+        r = await pool.exec(ref, cmd, 10)
+        assert r.exit_code == 126 and "[not run: the command" in r.stderr, r.stderr
+    long, deep, nul = await pool.tools(ref, [call("write_file", path="/".join(["b" * 250] * 5), content=""),
+                                             call("read_file", path="a/" * 200 + "x"), call("write_file", path="n\0ul", content="")])  # fmt: skip
+    assert "workspace paths have at most 1024 characters" in long.error and "128 levels" in deep.error
+    assert "NUL" in nul.error
+    stats = await pool.stats(ref.node_id)
+    assert await pool.destroy(ref)
+    await wait_for(lambda: not list(Path(stats.workspace_root, "ws").glob("sb-*")), 30)  # the deep tree is removed too
+
+
+def test_usage_counts_bytes_past_the_walk_bounds(tmp_path):
+    from kiln.envpool.walk import usage
+
+    deep = tmp_path.joinpath(*["a"] * 200)
+    deep.mkdir(parents=True)
+    (deep / "blob").write_bytes(b"x" * (1 << 20))
+    assert usage(tmp_path)[0] >= 1 << 20  # no depth hides bytes from the quota
+
+
 async def test_a_long_call_to_a_node_that_died_or_restarted_ends_at_once(envpool, bus, run_dir):
     """A call waiting on a node that dies is ended by the client's probe (``node_gone``),
     and a sandbox made by an earlier boot of its node is known dead (``node_restarted``),

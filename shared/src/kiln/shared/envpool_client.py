@@ -3,7 +3,9 @@
 ``create`` goes to the ``envpool`` queue group; every later call goes to the node that
 owns the sandbox (``SandboxRef.node_id``). Failures raise ``RemoteError`` with the
 service's code (``pool_exhausted``, ``not_found``, ``unknown_task``, ``timeout``,
-``no_responders``): callers treat them as infrastructure errors, not as the agent's.
+``no_responders``): callers treat them as infrastructure errors, not as the agent's. So nothing the agent
+asks for may end in one: a batch of tools carries its time (``timeout_s``) and the node
+answers within it, a slow command being an observation that says it was killed.
 
 A long call (``exec``, ``tools``) to a node that dies does not wait out its timeout (a
 test run's 40 s, a turn's tools): every ``probe_s`` while it waits, the client asks the
@@ -24,6 +26,9 @@ from kiln.shared.bus import Bus, RemoteError
 T = TypeVar("T")
 
 PROBE_S = 5.0
+REPLY_MARGIN_S = 10.0
+"""How much longer than the work it asks for (a command's or a batch's timeout) a call
+waits for its answer: the node's own bookkeeping (kill, usage walk, reply) beyond it."""
 
 
 class EnvPoolClient:
@@ -74,15 +79,19 @@ class EnvPoolClient:
             c.envpool_node_subject(ref.node_id, "exec"),
             c.SandboxExec(sandbox_id=ref.sandbox_id, command=command, timeout_s=timeout_s),
             c.ExecResult,
-            timeout=timeout_s + 10.0,
+            timeout=timeout_s + REPLY_MARGIN_S,
         ))  # fmt: skip
 
     async def tools(self, ref: c.SandboxRef, calls: list[c.ToolCall], timeout_s: float = 120.0) -> list[c.ToolResult]:
+        """Run a batch within ``timeout_s``: the node cuts each command to what is left of it
+        and answers the calls it leaves no time for with errors (``SandboxTools.timeout_s``),
+        so a slow command is an observation; the request itself waits ``REPLY_MARGIN_S``
+        longer, for the node's answer to arrive."""
         r = await self._watched(ref, self.bus.request(
             c.envpool_node_subject(ref.node_id, "tools"),
-            c.SandboxTools(sandbox_id=ref.sandbox_id, calls=calls),
+            c.SandboxTools(sandbox_id=ref.sandbox_id, calls=calls, timeout_s=timeout_s),
             c.ToolResults,
-            timeout=timeout_s,
+            timeout=timeout_s + REPLY_MARGIN_S,
         ))  # fmt: skip
         return r.results
 

@@ -77,6 +77,17 @@ class EnvPoolSettings(Section):
     """read_file refuses files larger than this."""
     grep_max_matches: int = 200
     """grep returns at most this many matching lines."""
+    diff_max_files: int = Field(default=10_000, ge=1)
+    """Changed files, links and folders one workspace diff carries; a workspace with more
+    gets a diff marked ``truncated`` at once (reward scores it ``not_applied``)."""
+    diff_max_text_bytes: int = Field(default=32 * MiB, ge=0)
+    """Text one workspace diff carries; more marks it ``truncated``."""
+    max_path_chars: int = Field(default=1024, ge=16, le=3000)
+    """Longest workspace path (relative) the file tools accept and a diff walks; a folder
+    or file past it is listed in the diff's ``omitted`` (far below the host's PATH_MAX,
+    which the workspace's host prefix would otherwise push a sandbox's paths past)."""
+    max_path_depth: int = Field(default=128, ge=2)
+    """Deepest workspace path (in levels) the file tools accept and a diff walks."""
     semantic_mode: Literal["auto", "embedding", "bm25"] = "auto"
     """semantic_search ranking: ``embedding`` (all-MiniLM-L6-v2, offline), ``bm25``, or ``auto``
     (embeddings once the model is loaded, BM25 until then or if it is not installed)."""

@@ -233,7 +233,7 @@ async def serve(ctx: ServiceContext) -> None:
     async def on_tools(req: c.SandboxTools) -> c.ToolResults:
         sb = pool.get(req.sandbox_id)
         trace.get_current_span().set_attributes({"sandbox_id": sb.id, "calls": len(req.calls)})
-        return c.ToolResults(results=await tools.run_batch(sb, req.calls))
+        return c.ToolResults(results=await tools.run_batch(sb, req.calls, req.timeout_s))
 
     async def on_diff(req: c.SandboxDiff) -> c.WorkspaceDiff:
         return await pool.diff(req.sandbox_id)

@@ -44,10 +44,14 @@ from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolSettings
 from kiln.envpool.patch import git_patch
 from kiln.envpool.sandbox import Identity, Limits, Sandbox
+from kiln.envpool.walk import Bounds
 
 log = logging.getLogger("kiln.envpool.pool")
 
 SandboxFactory = Callable[[str, Path, Limits, Identity, object], Sandbox]
+MAX_PATCH_PATHS = 1000
+"""Paths one diff's patch shows (git's cost grows with them; the rest are listed)."""
+
 Filler = Callable[[Path, Identity], "tuple[Path, overlay.OverlayView | None]"]
 """Writes a new sandbox's files under its folder; returns its workspace and its overlay view."""
 
@@ -336,21 +340,28 @@ class SandboxPool:
 
     async def diff(self, sandbox_id: str) -> c.WorkspaceDiff:
         """The workspace as changes to its task's start: files (``workspace.diff``, or
-        ``upper.diff`` over an environment) and a git-style patch of the same paths."""
+        ``upper.diff`` over an environment) and a git-style patch of the same paths (at
+        most ``MAX_PATCH_PATHS`` of them: the patch is for people). Bounded by the node's
+        diff settings (``walk.Bounds``): a workspace past them answers at once with a
+        ``truncated`` diff, never a timeout or a failure."""
         lease = self._get_lease(sandbox_id)
         view = lease.sandbox.view
+        bounds = Bounds.from_settings(self.s)
         if view is not None:
             lowers = [layer.path / "workspace" for layer in reversed(view.layers)]
-            compare, before = functools.partial(upp.diff, view.upper / "workspace", lowers), functools.partial(upp.find_lower, lowers)
+            compare, before = functools.partial(upp.diff, view.upper / "workspace", lowers, bounds), functools.partial(upp.find_lower, lowers)
         else:
             template = await self._template(lease.task_id)
-            compare = functools.partial(wsp.diff, template, lease.sandbox.workspace)
+            compare = functools.partial(wsp.diff, template, lease.sandbox.workspace, bounds)
             before = lambda rel: template / rel if os.path.lexists(template / rel) else None  # noqa: E731
 
         def both() -> c.WorkspaceDiff:
-            changed, deleted, binary = compare()
-            text, left_out = git_patch([*changed, *deleted, *binary], before, lease.sandbox.workspace)
-            return c.WorkspaceDiff(changed=changed, deleted=deleted, binary=binary, patch=text, patch_left_out=left_out)
+            ch = compare()
+            paths = [*ch.changed, *ch.deleted, *ch.other]
+            text, left_out = git_patch(paths[:MAX_PATCH_PATHS], before, lease.sandbox.workspace)
+            return c.WorkspaceDiff(changed=ch.changed, deleted=ch.deleted, binary=ch.other, patch=text,
+                                   patch_left_out=left_out + sorted(paths[MAX_PATCH_PATHS:]), omitted=ch.omitted,
+                                   truncated=ch.truncated)  # fmt: skip
 
         return await asyncio.to_thread(both)
 

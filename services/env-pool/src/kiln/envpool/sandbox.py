@@ -6,7 +6,10 @@ through ``run``. Shared by all backends (``spawn``): a cleared environment, rlim
 (CPU seconds, address space, file size, open files, processes), the sandbox's cgroup
 joined before exec, a wall-clock timeout that kills the whole process group (and
 everything left in the cgroup), and output capped to head + tail with the cut marked;
-a command that floods its output past ``output_kill_bytes`` is killed.
+a command that floods its output past ``output_kill_bytes`` is killed; a command too
+long for execve (or holding a NUL) is refused with exit code 126 and a note, not raised.
+The quota's usage walk and the removal of a workspace are bounded whatever the tree
+holds (``walk.py``: any depth, any path length).
 
 Processes start through the node's ``Launcher`` (a zygote that joins the cgroup, sets
 the rlimits and drops the uid between fork and exec, see ``launcher.py``).
@@ -21,6 +24,7 @@ one (namespaces, read-only system, no network, unprivileged uid).
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import os
 import resource
@@ -34,9 +38,11 @@ from kiln.shared.contracts import ExecResult
 
 from kiln.envpool.cgroups import Cgroup
 from kiln.envpool.launcher import Launcher
-from kiln.envpool.workspace import usage_bytes
+from kiln.envpool.walk import remove_tree, usage
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+MAX_ARG_BYTES = 128 * 1024
+"""Linux's MAX_ARG_STRLEN: the longest single argument (``bash -c COMMAND``) execve takes."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class Limits:
     output_kill_bytes: int
     tmp_bytes: int
     workspace_quota_bytes: int
+    max_path_chars: int = 1024
+    """Longest workspace path the file tools accept (``walk.Bounds``)."""
+    max_path_depth: int = 128
 
     @classmethod
     def from_settings(cls, s) -> Limits:
@@ -105,9 +114,9 @@ class Sandbox(ABC):
                 self.cgroup.remove()
             if self.view is not None:
                 self.view.unmount()
-                shutil.rmtree(self.view.dir, True)
+                remove_tree(self.view.dir)
             else:
-                shutil.rmtree(self.workspace, True)
+                remove_tree(self.workspace)
 
         await asyncio.to_thread(remove)
 
@@ -115,9 +124,9 @@ class Sandbox(ABC):
         """Bytes the workspace uses; walked inline while it is small (a thread hop costs
         more than walking a few dozen files), in a thread once it is big."""
         if self._entries < 256:
-            used, self._entries = usage_bytes(self.storage)
+            used, self._entries = usage(self.storage)
         else:
-            used, self._entries = await asyncio.to_thread(usage_bytes, self.storage)
+            used, self._entries = await asyncio.to_thread(usage, self.storage)
         return used
 
     def rlimits(self) -> list[tuple[int, int]]:
@@ -141,17 +150,30 @@ async def spawn(
         return ExecResult(
             exit_code=-1, stdout="", stderr=_quota_note(sb), timed_out=False, duration_s=0.0, truncated=False
         )
+    size = max(len(a.encode(errors="surrogateescape")) for a in argv)
+    if size >= MAX_ARG_BYTES or "\0" in "".join(argv):
+        # execve refuses an argument past MAX_ARG_STRLEN, and the launcher's message has a size
+        # limit too: the caller's command, refused as an observation, never a node failure.
+        why = f"{size} bytes, more than the {MAX_ARG_BYTES - 1} one command may hold" if size >= MAX_ARG_BYTES else "a NUL character"
+        return ExecResult(exit_code=126, stdout="", stderr=f"[not run: the command holds {why}]", timed_out=False,
+                          duration_s=0.0, truncated=False)  # fmt: skip
     t0 = time.monotonic()
-    child = await sb.launcher.spawn(
-        [_absolute(argv[0]), *argv[1:]],
-        env=env,
-        cwd=str(cwd) if cwd else None,
-        cgroups=[str(d / "cgroup.procs") for d in sb.cgroup.dirs] if sb.cgroup is not None else [],
-        rlimits=sb.rlimits(),
-        uid=sb.identity.uid,
-        gid=sb.identity.gid,
-        files=files or [],
-    )
+    try:
+        child = await sb.launcher.spawn(
+            [_absolute(argv[0]), *argv[1:]],
+            env=env,
+            cwd=str(cwd) if cwd else None,
+            cgroups=[str(d / "cgroup.procs") for d in sb.cgroup.dirs] if sb.cgroup is not None else [],
+            rlimits=sb.rlimits(),
+            uid=sb.identity.uid,
+            gid=sb.identity.gid,
+            files=files or [],
+        )
+    except OSError as e:
+        if e.errno not in (errno.EMSGSIZE, errno.E2BIG):
+            raise
+        return ExecResult(exit_code=126, stdout="", stderr=f"[not run: the command is too long to start ({e.strerror})]",
+                          timed_out=False, duration_s=time.monotonic() - t0, truncated=False)  # fmt: skip
     flood = asyncio.Event()
     out = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
     err = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)

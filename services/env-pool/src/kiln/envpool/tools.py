@@ -6,13 +6,19 @@ files and directories (a FIFO or socket planted by the agent cannot block env-po
 files env-pool writes belong to the sandbox's uid; every failure is a ``ToolResult``
 with ``error`` set, never an exception, so a bad call is an observation for the model;
 a batch returns its results in call order, with consecutive read-only calls run
-concurrently and every other call run alone, in order. The file tools run on the host
+concurrently and every other call run alone, in order; a batch given a time
+(``SandboxTools.timeout_s``) answers within it: each command is killed at what is left of
+it (its observation says so) and a call left no time is answered with an error, so a
+slow command is always the agent's observation, never a request that times out; a path
+longer or deeper than the sandbox's bounds (``max_path_chars``, ``max_path_depth``) is
+refused, so the file tools never make a path the host cannot walk. The file tools run on the host
 side, which is safe because no sandbox process outlives a command (``sandbox.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 import time
@@ -39,6 +45,14 @@ from kiln.envpool.sandbox import Sandbox
 
 
 MUTATING_FILE_TOOLS = frozenset({"edit_file", "write_file"})
+MIN_CALL_S = 0.05
+"""A call left less time than this in its batch is not started."""
+
+log = logging.getLogger("kiln.envpool.tools")
+
+
+def _shown(path: str) -> str:
+    return repr(path) if len(path) <= 200 else repr(path[:100] + "..." + path[-60:])
 
 
 class ToolExecutor:
@@ -52,7 +66,10 @@ class ToolExecutor:
         self.index = index
         self.metrics = metrics
 
-    async def run_batch(self, sandbox: Sandbox, calls: list[ToolCall]) -> list[ToolResult]:
+    async def run_batch(self, sandbox: Sandbox, calls: list[ToolCall], timeout_s: float | None = None) -> list[ToolResult]:
+        """The calls' results in order; with ``timeout_s``, within it: each command's timeout
+        is cut to what is left, and a call started after it is spent is answered with an error."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         results: list[ToolResult] = []
         i = 0
         while i < len(calls):
@@ -60,27 +77,37 @@ class ToolExecutor:
             while j < len(calls) and calls[j].name in READ_ONLY_TOOLS:
                 j += 1
             if j > i:
-                results += await asyncio.gather(*(self.run_one(sandbox, c) for c in calls[i:j]))
+                results += await asyncio.gather(*(self.run_one(sandbox, c, deadline) for c in calls[i:j]))
                 i = j
             else:
-                results.append(await self.run_one(sandbox, calls[i]))
+                results.append(await self.run_one(sandbox, calls[i], deadline))
                 i += 1
         return results
 
-    async def run_one(self, sandbox: Sandbox, call: ToolCall) -> ToolResult:
+    async def run_one(self, sandbox: Sandbox, call: ToolCall, deadline: float | None = None) -> ToolResult:
         with self.tracer.start_as_current_span(f"tool {call.name}", attributes={"tool": call.name}) as span:
-            result = await self._run_one(sandbox, call)
+            result = await self._run_one(sandbox, call, deadline)
             span.set_attribute("error", result.error or "")
         return result
 
-    async def _run_one(self, sandbox: Sandbox, call: ToolCall) -> ToolResult:
+    async def _run_one(self, sandbox: Sandbox, call: ToolCall, deadline: float | None = None) -> ToolResult:
         t0 = time.monotonic()
         try:
             args = validate_call(call.name, call.arguments)
             if call.name in MUTATING_FILE_TOOLS and sandbox.over_quota:
                 raise ToolCallError("the workspace is over its disk quota; no more writes")
-            result = ToolResult(call_id=call.id, name=call.name, output=await getattr(self, f"_{call.name}")(sandbox, args))
-        except (ToolCallError, OSError, UnicodeDecodeError) as e:
+            left = None if deadline is None else deadline - t0
+            if left is not None and left <= MIN_CALL_S:
+                raise ToolCallError("not run: this turn's time for tool calls was spent by the calls before it")
+            run = getattr(self, f"_{call.name}")
+            if call.name == "run_terminal_cmd":
+                output = await run(sandbox, args, left)
+            else:  # file tools finish at once; grep and search are cut at what is left
+                output = await (run(sandbox, args) if left is None else asyncio.wait_for(run(sandbox, args), left))
+            result = ToolResult(call_id=call.id, name=call.name, output=output)
+        except asyncio.TimeoutError:
+            result = ToolResult(call_id=call.id, name=call.name, error=f"{call.name} did not finish within this turn's time for tool calls")
+        except (ToolCallError, OSError, UnicodeError) as e:
             if isinstance(e, ToolCallError):
                 msg = str(e)
             elif isinstance(e, OSError) and e.strerror:
@@ -88,6 +115,9 @@ class ToolExecutor:
             else:
                 msg = f"{type(e).__name__}: {e}"
             result = ToolResult(call_id=call.id, name=call.name, error=msg)
+        except Exception as e:  # whatever the workspace holds, the agent gets an observation
+            log.exception("tool %s failed on sandbox %s", call.name, sandbox.id)
+            result = ToolResult(call_id=call.id, name=call.name, error=f"{call.name} failed: {type(e).__name__}: {str(e)[:200]}")
         if self.metrics is not None:
             name = call.name if call.name in READ_ONLY_TOOLS | MUTATING_FILE_TOOLS | {"run_terminal_cmd"} else "unknown"
             self.metrics.tool_calls.labels(name).inc()
@@ -120,9 +150,15 @@ class ToolExecutor:
     def _resolve(self, sandbox: Sandbox, path: str) -> Path:
         p = Path(path)
         if p.is_absolute():
-            raise ToolCallError(f"path {path!r} must be relative to the workspace root")
+            raise ToolCallError(f"path {_shown(path)} must be relative to the workspace root")
         if ".." in p.parts:
-            raise ToolCallError(f"path {path!r} may not contain '..'")
+            raise ToolCallError(f"path {_shown(path)} may not contain '..'")
+        lim = sandbox.limits
+        if len(str(p)) > lim.max_path_chars or len(p.parts) > lim.max_path_depth:
+            raise ToolCallError(f"path {_shown(path)} is {len(str(p))} characters and {len(p.parts)} levels long; "
+                                f"workspace paths have at most {lim.max_path_chars} characters and {lim.max_path_depth} levels")  # fmt: skip
+        if "\0" in path:
+            raise ToolCallError("a path may not contain a NUL character")
         root = sandbox.workspace.resolve()
         full = (root / p).resolve()
         if full != root and root not in full.parents:
@@ -190,8 +226,8 @@ class ToolExecutor:
         method, hits = await self.index.search(sandbox.workspace.resolve(), a.query, a.k)
         return search.format_hits(method, hits)
 
-    async def _run_terminal_cmd(self, sandbox: Sandbox, a: RunTerminalCmdArgs) -> str:
-        r = await sandbox.exec(a.command, min(a.timeout, self.max_timeout_s))
+    async def _run_terminal_cmd(self, sandbox: Sandbox, a: RunTerminalCmdArgs, left: float | None = None) -> str:
+        r = await sandbox.exec(a.command, min(a.timeout, self.max_timeout_s, left if left is not None else a.timeout))
         parts = [f"exit code: {r.exit_code}"]
         if r.stdout:
             parts.append(r.stdout.rstrip("\n"))

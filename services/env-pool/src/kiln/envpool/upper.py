@@ -23,10 +23,11 @@ import os
 import shutil
 import stat
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kiln.envpool.overlay import OPAQUE_MARKER, WHITEOUT_PREFIX, copy_upper, is_opaque, is_whiteout, make_opaque, make_whiteout
-from kiln.envpool.workspace import SKIP, record_change
+from kiln.envpool.walk import Bounds, Tally, walk
+from kiln.envpool.workspace import SKIP, Changes, record_change
 
 
 def snapshot(upper: Path) -> tuple[bytes, str]:
@@ -85,24 +86,24 @@ def restore(data: bytes, sha256: str | None, upper: Path, uid: int, gid: int) ->
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str], list[str]]:
-    """(changed text files, deleted paths, changed entries not carried: binary, too large,
-    links, mode-only changes) of a workspace whose writes are ``upper_ws`` over the
-    ``lowers`` workspace folders (topmost first), the contract of ``workspace.diff``."""
-    changed: dict[str, str] = {}
+def diff(upper_ws: Path, lowers: list[Path], bounds: Bounds = Bounds()) -> Changes:
+    """The changes (``workspace.Changes``: text files, deleted paths, entries not carried:
+    binary, too large, links, mode-only changes; folders past the path bounds) of a
+    workspace whose writes are ``upper_ws`` over the ``lowers`` workspace folders (topmost
+    first), the contract of ``workspace.diff``; walked within ``bounds`` (``walk.py``)."""
+    out = Changes()
+    tally = Tally(bounds)
     deleted: set[str] = set()
-    other: list[str] = []
     if not upper_ws.is_dir():
-        return changed, [], []
-    for dirpath, dirs, files in os.walk(upper_ws):
-        here = Path(dirpath)
-        rel_dir = here.relative_to(upper_ws)
+        return out
+    for e in walk(upper_ws, bounds, out.omitted):
+        here, rel_dir = e.here, PurePosixPath(e.rel)
         if here == upper_ws:
-            dirs[:] = [d for d in dirs if d not in SKIP]
+            e.dirs[:] = [d for d in e.dirs if d not in SKIP]
         if here != upper_ws and is_opaque(here):  # replaced a lower directory: its old files are gone
-            present = {str(rel_dir / p.relative_to(here)) for p in here.rglob("*")}
-            deleted |= {f for f in _lower_files(lowers, rel_dir) if f not in present}
-        for name in files + [d for d in dirs if os.path.islink(here / d)]:
+            # (a lower file where the folder now is is gone too; what the folder holds is listed on its own)
+            deleted |= {f for f in _lower_files(lowers, rel_dir) if f == e.rel or not os.path.lexists(upper_ws / f)}
+        for name in e.files:
             full, rel = here / name, str(rel_dir / name)
             st = os.lstat(full)
             if is_whiteout(st):
@@ -111,18 +112,27 @@ def diff(upper_ws: Path, lowers: list[Path]) -> tuple[dict[str, str], list[str],
             before = find_lower(lowers, rel)
             if stat.S_ISLNK(st.st_mode):
                 if before is None or not before.is_symlink() or os.readlink(before) != os.readlink(full):
-                    other.append(rel)
-                continue
-            if not stat.S_ISREG(st.st_mode):  # a FIFO, a socket, a device node: listed, never read
-                other.append(rel)
-                continue
-            data = full.read_bytes()
-            if before is not None and before.is_file() and not before.is_symlink() and before.read_bytes() == data:
-                if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(st.st_mode):
-                    other.append(rel)  # a mode change only
-                continue  # copied up (opened for writing, touched, chowned) but unchanged
-            record_change(rel, data, changed, other)
-    return changed, sorted(deleted - set(changed)), sorted(other)
+                    out.other.append(rel)
+                    tally.take()
+            elif not stat.S_ISREG(st.st_mode):  # a FIFO, a socket, a device node: listed, never read
+                out.other.append(rel)
+                tally.take()
+            else:
+                data = full.read_bytes()
+                if before is not None and before.is_file() and not before.is_symlink() and before.read_bytes() == data:
+                    if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(st.st_mode):
+                        out.other.append(rel)  # a mode change only
+                        tally.take()
+                    continue  # copied up (opened for writing, touched, chowned) but unchanged
+                record_change(rel, data, out.changed, out.other, tally)
+            if tally.full:
+                break
+        if tally.full or len(out.omitted) > bounds.max_files:
+            out.truncated = tally.full or f"more than {bounds.max_files} folders past the path bounds"
+            break
+    out.deleted = sorted(deleted - set(out.changed))
+    out.other.sort()
+    return out
 
 
 def find_lower(lowers: list[Path], rel: str) -> Path | None:

@@ -14,9 +14,12 @@ import os
 import shutil
 import stat
 import tarfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.shared.tasks import Task
+
+from kiln.envpool.walk import Bounds, Tally, walk
 
 SKIP = {".tmp"}
 """Per-command scratch that is never part of a workspace's state."""
@@ -46,19 +49,6 @@ def chown_tree(root: Path, uid: int, gid: int) -> None:
             os.chown(os.path.join(dirpath, n), uid, gid, follow_symlinks=False)
 
 
-def usage_bytes(root: Path) -> tuple[int, int]:
-    """(bytes allocated under ``root``, number of entries walked)."""
-    total = entries = 0
-    for dirpath, dirs, files in os.walk(root):
-        entries += len(dirs) + len(files)
-        for n in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total, entries
-
-
 def snapshot(root: Path) -> tuple[bytes, str]:
     """A gzipped tar of the workspace (links stored as links) and its sha256."""
     buf = io.BytesIO()
@@ -81,39 +71,67 @@ def restore(data: bytes, sha256: str | None, dest: Path) -> None:
 MAX_DIFF_FILE = 256 * 1024
 
 
-def record_change(rel: str, data: bytes, changed: dict[str, str], other: list[str]) -> None:
+@dataclass
+class Changes:
+    """A workspace's changes as a diff carries them (``WorkspaceDiff``'s fields)."""
+
+    changed: dict[str, str] = field(default_factory=dict)
+    deleted: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+    """Changed entries not carried: binary, too large, links, FIFOs, mode-only changes."""
+    omitted: list[str] = field(default_factory=list)
+    """Folders and files past the walk's path bounds (``walk.py``)."""
+    truncated: str = ""
+
+
+def record_change(rel: str, data: bytes, changed: dict[str, str], other: list[str], tally: Tally | None = None) -> None:
     """A changed file's new bytes: carried as text when small text, else listed in ``other``."""
     if len(data) > MAX_DIFF_FILE:
         other.append(rel)
+        if tally is not None:
+            tally.take()
         return
     try:
         changed[rel] = data.decode()
     except UnicodeDecodeError:
         other.append(rel)
+        data = b""
+    if tally is not None:
+        tally.take(len(data))
 
 
-def diff(template: Path, root: Path) -> tuple[dict[str, str], list[str], list[str]]:
-    """(changed text files, deleted paths, changed files not carried: binary, too large or links)."""
-    changed: dict[str, str] = {}
-    other: list[str] = []
+def diff(template: Path, root: Path, bounds: Bounds = Bounds()) -> Changes:
+    """The workspace ``root`` against its task's ``template``, walked within ``bounds``
+    (``walk.py``): past them the walk stops and ``truncated`` says why."""
+    out = Changes()
+    tally = Tally(bounds)
     seen = set()
-    for dirpath, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not (Path(dirpath) == root and d in SKIP)]
-        for name in files:
-            full = Path(dirpath) / name
-            rel = str(full.relative_to(root))
+    for e in walk(root, bounds, out.omitted):
+        if e.here == root:
+            e.dirs[:] = [d for d in e.dirs if d not in SKIP]
+        for name in e.files:
+            full = e.here / name
+            rel = f"{e.rel}/{name}" if e.rel else name
             seen.add(rel)
             before = template / rel
             if full.is_symlink() or not full.is_file():
-                other.append(rel)
-                continue
-            data = full.read_bytes()
-            if before.is_file() and not before.is_symlink() and before.read_bytes() == data:
-                if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(full.lstat().st_mode):
-                    other.append(rel)  # a mode change only
-                continue
-            record_change(rel, data, changed, other)
-    deleted = sorted(
+                out.other.append(rel)
+                tally.take()
+            else:
+                data = full.read_bytes()
+                if before.is_file() and not before.is_symlink() and before.read_bytes() == data:
+                    if stat.S_IMODE(before.lstat().st_mode) != stat.S_IMODE(full.lstat().st_mode):
+                        out.other.append(rel)  # a mode change only
+                        tally.take()
+                    continue
+                record_change(rel, data, out.changed, out.other, tally)
+            if tally.full:
+                break
+        if tally.full or len(out.omitted) > bounds.max_files:
+            out.truncated = tally.full or f"more than {bounds.max_files} folders past the path bounds"
+            return out
+    out.deleted = sorted(
         str(p.relative_to(template)) for p in template.rglob("*") if p.is_file() and str(p.relative_to(template)) not in seen
     )
-    return changed, deleted, sorted(other)
+    out.other.sort()
+    return out

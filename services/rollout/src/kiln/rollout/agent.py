@@ -20,7 +20,10 @@ Invariants of the trajectory it returns:
   an ``{"error": ...}`` observation and counted, never raised;
 - a failure of the infrastructure (env-pool unreachable, sandbox lost) ends the
   episode with ``status = infra_error`` and the cause, so reward and the learner can
-  mask it instead of scoring it 0;
+  mask it instead of scoring it 0; what the policy asks for never does: a turn's tool
+  calls carry the turn's time (``tool_timeout_s``) and env-pool answers within it, a
+  command that outlives it killed and its observation saying so, and the final diff of
+  any workspace is bounded (a truncated diff is reward's ``not_applied``);
 - an episode is resumable: when ``suspend`` is set (an APRIL abort) it stops at once,
   mid-generation or between turns, and returns a ``PartialSample`` holding everything
   sampled so far (with the episode's own state: kept completions, the open call);

@@ -56,6 +56,11 @@ class ExecResult(Message):
 class SandboxTools(Message):
     sandbox_id: str
     calls: list[ToolCall]
+    timeout_s: Seconds | None = None
+    """The whole batch's time: each command's own timeout is cut to what is left of it,
+    and a call it leaves no time for is answered with an error, so the node always answers
+    within it (a slow command is the caller's observation, never a lost request). None:
+    each command's own timeout only."""
 
 
 class ToolResults(Message):

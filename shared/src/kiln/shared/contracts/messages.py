@@ -125,7 +125,16 @@ class WorkspaceDiff(Message):
     """The same changes as a git-style patch against the task's start (renames, modes and
     binary files included; ``git apply`` takes it), cut past 1 MiB."""
     patch_left_out: list[str] = Field(default_factory=list)
-    """Changed files too large for ``patch`` (over 1 MiB each)."""
+    """Changed files left out of ``patch`` (over 1 MiB each, or past the number of files
+    one patch shows)."""
+    omitted: list[str] = Field(default_factory=list)
+    """Folders and files the diff did not walk into, not carried: deeper than its depth
+    bound or with a path longer than its length bound (env-pool's ``diff_max_depth``,
+    ``diff_max_path_chars``)."""
+    truncated: str = ""
+    """Why the diff is incomplete (more changed entries than one diff carries:
+    ``diff_max_files``); empty when it is whole. A truncated diff cannot rebuild the
+    workspace, so reward scores it ``not_applied``."""
 
 
 class TrajectoryStatus(str, Enum):
