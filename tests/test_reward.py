@@ -310,3 +310,45 @@ async def test_reward_refuses_a_suite_it_cannot_score(nats_server, bus, pg_url, 
             await p.start("reward")
         finally:
             await p.stop_all()  # re-raises the service's own error
+
+
+async def test_records_store_any_text_nul_surrogates_and_deep_json(pg_url):
+    """Whatever bytes a workspace puts in test output, failure messages, the report or
+    the agent's observations, the row is written (cleaned where PostgreSQL refuses it),
+    never refused: a refused row is a trajectory never scored."""
+    from kiln.shared.db import Base
+    from kiln.shared.db.types import MAX_JSON_DEPTH, NUL_MARK, TOO_DEEP, SafeJSON, SafeString, SafeText
+
+    plain = [f"{t.name}.{col.name}" for t in Base.metadata.tables.values() for col in t.columns
+             if not isinstance(col.type, (SafeString, SafeText, SafeJSON)) and col.type.python_type is str
+             or type(col.type).__name__ == "JSON"]  # fmt: skip
+    assert plain == [], f"string and JSON columns must clean what they store: {plain}"
+
+    dirty = "a\0b \udcff c\x00"
+    deep: object = "bottom"
+    for _ in range(MAX_JSON_DEPTH + 10):
+        deep = [deep]
+    db = Database(pg_url)
+    try:
+        async with db.session() as s:
+            s.add(Run(id="r-nul", name="t", detail=dirty))
+        async with db.session() as s:
+            s.add(TrajectoryRecord(
+                trajectory_id="t-nul", run_id="r-nul", group_id="g", task_id="fix-calc", sample_index=0,
+                dispatch_version=0, test_output=dirty, failure="tests_failed", failure_detail=dirty,
+                integrity={"protected": {dirty: dirty}}, report={"errors": [[dirty, dirty]], "deep": deep},
+                messages=[{"role": "tool", "content": dirty}], worker_id=dirty,
+            ))  # fmt: skip
+        async with db.session() as s:
+            rec = await s.get(TrajectoryRecord, "t-nul")
+            run = await s.get(Run, "r-nul")
+    finally:
+        await db.close()
+    clean = f"a{NUL_MARK}b \ufffd c{NUL_MARK}"
+    assert run.detail == rec.test_output == rec.failure_detail == rec.worker_id == clean
+    assert rec.integrity == {"protected": {clean: clean}} and rec.messages[0]["content"] == clean
+    assert rec.report["errors"] == [[clean, clean]]
+    depth, node = 0, rec.report["deep"]
+    while isinstance(node, list):
+        node, depth = node[0], depth + 1
+    assert node == TOO_DEEP and depth < MAX_JSON_DEPTH

@@ -315,3 +315,20 @@ def test_deletions_go_in_commands_of_bounded_length():
     assert [w for b in batches for w in b] == words and len(batches) > 1
     assert all(sum(len(w) + 1 for w in b) <= DELETE_BATCH_CHARS for b in batches)
     assert _batches([]) == []
+
+
+def test_config_files_no_parser_can_bound_count_as_changed():
+    """A pyproject.toml nested past the recursion limit, or past MAX_CONFIG_CHARS, is
+    unreadable (any change to it is reverted), never a parser crash in reward; paths
+    the diff did not walk (too deep, too long) are not reproduced."""
+    from kiln.shared.tasks.protect import MAX_CONFIG_CHARS, test_sections
+
+    deep = "x = " + "[" * 5000 + "]" * 5000 + "\n"
+    assert test_sections("pyproject.toml", deep) == ("unreadable", deep)
+    huge = "[project]\nname = 'x'\n" + "# pad\n" * (MAX_CONFIG_CHARS // 6 + 1)
+    assert test_sections("pyproject.toml", huge)[0] == "unreadable"
+    diff = c.WorkspaceDiff(changed={"pyproject.toml": deep, "calc.py": "x"}, omitted=["a/" * 100, "tests/" + "d" * 1100])
+    room = plan(protection(["tests/test_calc.py"]), diff)
+    revert_config_changes(room, {"pyproject.toml": None})
+    assert "pyproject.toml" in room.protected and room.changed == {"calc.py": "x"}
+    assert room.not_reproduced == ["a/" * 100] and "tests/" + "d" * 1100 in room.protected

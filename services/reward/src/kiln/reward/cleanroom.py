@@ -17,8 +17,10 @@ Invariants:
   statuses come from the runner's report only; what the tests printed is kept for
   people (``output``);
 - anything the workspace's content causes (a change that cannot be written, a full
-  quota, tests that hang, exit early, kill their runner or patch the framework) is a
-  ``Failure`` with its reason, never ``infra_error``; ``infra_error`` (``InfraError``)
+  quota, tests that hang, exit early, kill their runner or patch the framework, a diff
+  env-pool marked ``truncated``, thousands of config files to compare) is a
+  ``Failure`` with its reason, never ``infra_error``, and every command the room sends
+  stays under the length one command may have (paths go in batches); ``infra_error`` (``InfraError``)
   is kept for kiln's own machinery: env-pool unreachable or refusing, a sandbox lost,
   no diff to rebuild from, or the runner failing on the task's pristine repository
   (checked once per task, the first time a run leaves no report);
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import logging
 import shlex
 from dataclasses import dataclass, field
@@ -50,6 +53,10 @@ ROOM_TTL_GRACE_S = 120.0
 
 
 DELETE_BATCH_CHARS = 64 * 1024
+
+
+UNREADABLE = "\0 a pristine file kiln could not read whole"
+"""Stands for a pristine config file's text that did not come back whole: no change equals it."""
 
 
 def _batches(words: list[str]) -> list[list[str]]:
@@ -100,6 +107,9 @@ class CleanRoom:
     async def judge(self, traj: c.Trajectory, task: Task) -> Verdict:
         diff = await self._diff(traj)
         room_plan = plan(protection(list(task.test_files), task.protected), diff)
+        if diff.truncated:  # the workspace cannot be rebuilt from it: the trajectory's own doing
+            integrity = c.Integrity(protected=dict(room_plan.protected), not_reproduced=room_plan.not_reproduced)
+            return self._not_run(task, c.Failure.NOT_APPLIED, f"the workspace's diff is incomplete: {diff.truncated}", integrity)
         ref = await self._create(task, traj.run_id)
         try:
             return await self._run(ref, task, room_plan, traj.run_id)
@@ -170,15 +180,33 @@ class CleanRoom:
         return Verdict({t: c.CaseStatus.MISSING for t in ids}, failure, detail, integrity, None, output, timed_out)
 
     async def _read(self, ref: c.SandboxRef, paths: list[str]) -> dict[str, str | None]:
-        """The pristine text of ``paths`` in the fresh room (None: the task has none)."""
+        """The pristine text of ``paths`` in the fresh room (None: the task has none), read
+        in commands of bounded length (a diff may name thousands of config files); a file
+        whose text does not come back whole reads as ``UNREADABLE`` (any change to it counts)."""
+        out: dict[str, str | None] = dict.fromkeys(paths)
+        quoted = {shlex.quote(p): p for p in paths}
+        for batch in _batches(list(quoted)):  # batched as quoted: the command line's real length
+            for name, text in (await self._read_batch(ref, [quoted[q] for q in batch])).items():
+                out[name] = text
+        return out
+
+    async def _read_batch(self, ref: c.SandboxRef, paths: list[str]) -> dict[str, str | None]:
         quoted = " ".join(shlex.quote(p) for p in paths)
         script = f"for f in {quoted}; do if [ -f \"$f\" ]; then printf '%s\\0' \"$f\"; base64 -w0 < \"$f\"; printf '\\0'; fi; done"
         res = await self.envpool.exec(ref, script, 30)
-        out: dict[str, str | None] = dict.fromkeys(paths)
+        if res.truncated and len(paths) > 1:  # more than one command's output holds: one file at a time
+            out: dict[str, str | None] = {}
+            for p in paths:
+                out.update(await self._read_batch(ref, [p]))
+            return out
+        out = dict.fromkeys(paths)
         parts = res.stdout.split("\0")
         for name, data in zip(parts[0::2], parts[1::2]):
             if name in out:
-                out[name] = base64.b64decode(data).decode(errors="replace")
+                try:
+                    out[name] = UNREADABLE if res.truncated else base64.b64decode(data, validate=True).decode(errors="replace")
+                except binascii.Error:
+                    out[name] = UNREADABLE
         return out
 
     async def _apply(self, ref: c.SandboxRef, task: Task, room: CleanRoomPlan) -> str:

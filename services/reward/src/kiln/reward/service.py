@@ -102,7 +102,7 @@ class Scorer:
                 log_key = await self._store_log(traj.trajectory_id, full_output)
                 try:
                     await self._record(scored, log_key)
-                except DataError as e:  # an id too long, a number out of range, a NUL: retrying cannot help
+                except DataError as e:  # an id too long, a number out of range (text is cleaned: db/types.py): retrying cannot help
                     raise Reject(f"cannot record {traj.trajectory_id[:200]!r}: {e.orig}") from None
                 except IntegrityError as e:
                     # A run that has no row never will (the controller writes it before any
@@ -177,7 +177,7 @@ class Scorer:
     async def _store_log(self, trajectory_id: str, output: str) -> str:
         if not output or self.logs is None:
             return ""
-        await self.logs.put(trajectory_id, output.encode())
+        await self.logs.put(trajectory_id, output.encode(errors="surrogatepass"))  # every character kept, whatever it is
         return trajectory_id
 
     async def _record(self, s: c.ScoredTrajectory, log_key: str) -> None:

@@ -9,7 +9,9 @@ Who writes what (one writer per column family, so services never race on a row):
   step consumed;
 - the learner inserts one ``steps`` row per optimizer step (the ``StepMetrics`` it
   publishes), ``kiln eval`` (or the run's periodic evaluation) inserts ``evaluations``.
-A group ends exactly once: ``status`` moves from ``dispatched`` to ``trained`` or
+Every string column is ``SafeString``/``SafeText`` and every JSON column ``SafeJSON``
+(``types.py``): any text a workspace produced (NUL bytes, lone surrogates, deep nesting)
+is stored, cleaned at the one place values are bound, never refused. A group ends exactly once: ``status`` moves from ``dispatched`` to ``trained`` or
 ``dropped`` and never back (``kiln.learner.controller`` enforces it with a
 conditional update).
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Index, Integer
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from kiln.shared.db.types import SafeJSON, SafeString, SafeText
 
 
 def utcnow() -> datetime:
@@ -33,12 +37,12 @@ class Base(DeclarativeBase):
 class Run(Base):
     __tablename__ = "runs"
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200))
-    status: Mapped[str] = mapped_column(String(16), default="running")
+    id: Mapped[str] = mapped_column(SafeString(64), primary_key=True)
+    name: Mapped[str] = mapped_column(SafeString(200))
+    status: Mapped[str] = mapped_column(SafeString(16), default="running")
     """running | finished | failed"""
-    config: Mapped[dict] = mapped_column(JSON, default=dict)
-    detail: Mapped[str] = mapped_column(Text, default="")
+    config: Mapped[dict] = mapped_column(SafeJSON, default=dict)
+    detail: Mapped[str] = mapped_column(SafeText, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -50,16 +54,16 @@ class PolicyVersion(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(Integer)
     parent_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    path: Mapped[str] = mapped_column(Text)
-    manifest_sha256: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(SafeText)
+    manifest_sha256: Mapped[str] = mapped_column(SafeString(64))
     num_bytes: Mapped[int] = mapped_column(Integer, default=0)
     """Bytes of the version's files (what a full copy ships)."""
     stored_bytes: Mapped[int] = mapped_column(Integer, default=0)
     """Bytes the store holds for it (a delta version: its compressed delta)."""
-    storage: Mapped[str] = mapped_column(String(8), default="full")
+    storage: Mapped[str] = mapped_column(SafeString(8), default="full")
     """full | delta"""
     base_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    tags: Mapped[list] = mapped_column(JSON, default=list)
+    tags: Mapped[list] = mapped_column(SafeJSON, default=list)
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     """Pinned and tagged versions are never deleted by retention."""
     published_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -69,15 +73,15 @@ class PolicyVersion(Base):
 class TaskGroup(Base):
     __tablename__ = "task_groups"
 
-    group_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    group_id: Mapped[str] = mapped_column(SafeString(128), primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    task_id: Mapped[str] = mapped_column(String(200))
+    task_id: Mapped[str] = mapped_column(SafeString(200))
     n_samples: Mapped[int] = mapped_column(Integer)
     dispatch_version: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="dispatched")
+    status: Mapped[str] = mapped_column(SafeString(16), default="dispatched")
     """dispatched | trained | dropped"""
-    reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    detail: Mapped[str] = mapped_column(Text, default="")
+    reason: Mapped[str | None] = mapped_column(SafeString(32), nullable=True)
+    detail: Mapped[str] = mapped_column(SafeText, default="")
     trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     """The version produced by the step that trained this group."""
     deadline: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -90,10 +94,10 @@ class TaskGroup(Base):
 class TrajectoryRecord(Base):
     __tablename__ = "trajectories"
 
-    trajectory_id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    trajectory_id: Mapped[str] = mapped_column(SafeString(160), primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    group_id: Mapped[str] = mapped_column(String(128), index=True)
-    task_id: Mapped[str] = mapped_column(String(200))
+    group_id: Mapped[str] = mapped_column(SafeString(128), index=True)
+    task_id: Mapped[str] = mapped_column(SafeString(200))
     sample_index: Mapped[int] = mapped_column(Integer)
     dispatch_version: Mapped[int] = mapped_column(Integer)
     min_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -101,37 +105,37 @@ class TrajectoryRecord(Base):
     max_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     passed: Mapped[bool] = mapped_column(Boolean, default=False)
-    infra_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    infra_error: Mapped[str | None] = mapped_column(SafeText, nullable=True)
     num_tokens: Mapped[int] = mapped_column(Integer, default=0)
     num_generated: Mapped[int] = mapped_column(Integer, default=0)
     num_turns: Mapped[int] = mapped_column(Integer, default=0)
     malformed_tool_calls: Mapped[int] = mapped_column(Integer, default=0)
-    finish_reason: Mapped[str] = mapped_column(String(32), default="")
-    tests: Mapped[dict] = mapped_column(JSON, default=dict)
-    reward_terms: Mapped[dict] = mapped_column(JSON, default=dict)
+    finish_reason: Mapped[str] = mapped_column(SafeString(32), default="")
+    tests: Mapped[dict] = mapped_column(SafeJSON, default=dict)
+    reward_terms: Mapped[dict] = mapped_column(SafeJSON, default=dict)
     """Each term of the reward (the tests' score, shaping terms); ``reward`` is their sum."""
-    test_output: Mapped[str] = mapped_column(Text, default="")
+    test_output: Mapped[str] = mapped_column(SafeText, default="")
     """The test run's output, cut to ``reward.max_test_output_chars``; the whole log is in
     the ``kiln-reward-logs`` object store under ``log_key``."""
-    log_key: Mapped[str] = mapped_column(String(200), default="")
-    failure: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    log_key: Mapped[str] = mapped_column(SafeString(200), default="")
+    failure: Mapped[str | None] = mapped_column(SafeString(32), nullable=True)
     """Why it did not pass (``contracts.Failure``; None: passed or infra error)."""
-    failure_detail: Mapped[str] = mapped_column(Text, default="")
+    failure_detail: Mapped[str] = mapped_column(SafeText, default="")
     touched_protected: Mapped[bool] = mapped_column(Boolean, default=False)
     """Its diff changed protected paths (reverted before the tests ran)."""
     tampered: Mapped[bool] = mapped_column(Boolean, default=False)
     """The tested code replaced test-framework entry points."""
-    integrity: Mapped[dict] = mapped_column(JSON, default=dict)
+    integrity: Mapped[dict] = mapped_column(SafeJSON, default=dict)
     """``contracts.Integrity``: protected paths touched and why, tampering, changes not reproduced."""
-    report: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    report: Mapped[dict | None] = mapped_column(SafeJSON, nullable=True)
     """kiln's runner's structured report (``kiln.shared.tasks.testrun.RunnerReport``)."""
-    messages: Mapped[list] = mapped_column(JSON, default=list)
-    trace_id: Mapped[str] = mapped_column(String(32), default="")
-    worker_id: Mapped[str] = mapped_column(String(128), default="")
+    messages: Mapped[list] = mapped_column(SafeJSON, default=list)
+    trace_id: Mapped[str] = mapped_column(SafeString(32), default="")
+    worker_id: Mapped[str] = mapped_column(SafeString(128), default="")
     trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    purpose: Mapped[str] = mapped_column(String(8), default="train")
+    purpose: Mapped[str] = mapped_column(SafeString(8), default="train")
     """``train`` or ``eval`` (an evaluation episode, never trained)."""
-    eval_id: Mapped[str] = mapped_column(String(160), default="")
+    eval_id: Mapped[str] = mapped_column(SafeString(160), default="")
     scored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -151,7 +155,7 @@ class StepRecord(Base):
     step_seconds: Mapped[float] = mapped_column(Float)
     wait_seconds: Mapped[float] = mapped_column(Float)
     elapsed_seconds: Mapped[float] = mapped_column(Float)
-    metrics: Mapped[dict] = mapped_column(JSON, default=dict)
+    metrics: Mapped[dict] = mapped_column(SafeJSON, default=dict)
     """The whole ``StepMetrics`` message (fields not promoted to columns included)."""
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -165,16 +169,16 @@ class EvalRecord(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     version: Mapped[int] = mapped_column(Integer)
-    suite: Mapped[str] = mapped_column(String(200))
-    split: Mapped[str] = mapped_column(String(32))
+    suite: Mapped[str] = mapped_column(SafeString(200))
+    split: Mapped[str] = mapped_column(SafeString(32))
     tasks: Mapped[int] = mapped_column(Integer)
     samples: Mapped[int] = mapped_column(Integer)
     """Sampled episodes per task (pass@k needs samples >= k); 0 when only greedy ran."""
     seed: Mapped[int] = mapped_column(Integer)
     greedy_pass_rate: Mapped[float] = mapped_column(Float)
-    pass_at_k: Mapped[dict] = mapped_column(JSON, default=dict)
+    pass_at_k: Mapped[dict] = mapped_column(SafeJSON, default=dict)
     """``{"1": 0.4, "4": 0.7}``."""
-    per_task: Mapped[dict] = mapped_column(JSON, default=dict)
+    per_task: Mapped[dict] = mapped_column(SafeJSON, default=dict)
     """task id -> ``{"greedy": bool, "passed": n, "samples": n}``."""
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -80,11 +80,19 @@ def protection(test_files: list[str], patterns: list[str] = ()) -> Protection:
     return Protection(files, dirs, module_dirs, tuple(patterns))
 
 
+MAX_CONFIG_CHARS = 1 << 20
+"""A config file longer than this is not parsed: it counts as unreadable."""
+
+
 def test_sections(name: str, text: str | None) -> object:
     """The part of a config file pytest reads (None: the file is absent or has none);
-    an unreadable file is its own text (so any change to it counts)."""
+    an unreadable file is its own text (so any change to it counts). Unreadable includes
+    what a parser cannot bound: a file past ``MAX_CONFIG_CHARS``, or nesting deeper than
+    the interpreter's recursion limit (``tomllib`` recurses per ``[``)."""
     if text is None:
         return None
+    if len(text) > MAX_CONFIG_CHARS:
+        return ("unreadable", text)
     try:
         if name == "pyproject.toml":
             return tomllib.loads(text).get("tool", {}).get("pytest")
@@ -92,7 +100,7 @@ def test_sections(name: str, text: str | None) -> object:
         cp = configparser.RawConfigParser(strict=False, interpolation=None)
         cp.read_string(text)
         return dict(cp.items(section)) if cp.has_section(section) else None
-    except (tomllib.TOMLDecodeError, configparser.Error, AttributeError):
+    except (tomllib.TOMLDecodeError, configparser.Error, AttributeError, RecursionError, MemoryError):
         return ("unreadable", text)
 
 
@@ -131,7 +139,7 @@ def plan(p: Protection, diff: WorkspaceDiff) -> CleanRoomPlan:
             out.deleted.append(path)
             if sectioned(path):
                 out.config_checks.append(path)
-    for path in sorted({*diff.binary, *diff.patch_left_out}):
+    for path in sorted({*diff.binary, *diff.patch_left_out, *diff.omitted}):
         why = p.reason(path)
         if why:
             out.protected[path] = why
@@ -146,7 +154,11 @@ def revert_config_changes(out: CleanRoomPlan, pristine: dict[str, str | None]) -
     for path in out.config_checks:
         name = PurePosixPath(path).name
         new = out.changed.get(path)  # None: deleted
-        if test_sections(name, new) != test_sections(name, pristine.get(path)):
+        try:
+            differs = test_sections(name, new) != test_sections(name, pristine.get(path))
+        except RecursionError:  # parsed, but too deep to compare: a change like any other
+            differs = True
+        if differs:
             out.protected[path] = f"test configuration {path} (its [{'tool.pytest' if name == 'pyproject.toml' else 'pytest'}] section)"
             out.changed.pop(path, None)
             if path in out.deleted:
