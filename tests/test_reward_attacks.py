@@ -19,6 +19,7 @@ import pytest
 
 from kiln.envpool import overlay
 from kiln.shared import contracts as c
+from kiln.shared.db import Database, TrajectoryRecord
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
 
@@ -96,6 +97,21 @@ PASSING_CONFTEST = (
     "    outcome.get_result().outcome = 'passed'\n"
 )
 EXIT_OK = "import os\nos._exit(0)\n"
+# A folder path past the host's PATH_MAX (each mkdir is relative, so bash makes it), and
+# a tree 1,500 levels deep (past Python's recursion limit for a recursive walk).
+LONG_AND_DEEP_PATHS = ("(n=$(printf 'd%.0s' $(seq 250)); for i in $(seq 20); do mkdir $n && cd $n || exit 1; done; echo x > f) && "
+                       "mkdir -p $(printf 'a/%.0s' $(seq 1500)) && echo x > a/a/a/kept.txt")  # fmt: skip
+# 900 config files with 250-character folder names: one command line reading them all
+# would be ~230 KB, more than one message to the sandbox's launcher can hold.
+MANY_CONFIG_PATHS = "n=$(printf 'c%.0s' $(seq 240)); for i in $(seq 900); do mkdir -p $n$i && echo '[project]' > $n$i/pyproject.toml; done"
+NUL_OUTPUT = (
+    "import sys\n"
+    "sys.stdout.write('\\x00 a NUL on stdout\\n'); sys.stdout.flush()\n"
+    "sys.stdout.buffer.write(b'\\xff\\xfe\\x00 raw bytes\\n'); sys.stdout.buffer.flush()\n"
+    "sys.stderr.write('\\x00 and on stderr\\n')\n\n"
+    "def add(a, b):\n"
+    "    raise ValueError('a NUL \\x00 in the failure message')\n"
+)
 
 
 @dataclass(frozen=True)
@@ -192,6 +208,16 @@ ATTACKS = [
     Attack("shadow-test-package", [("write", "test_calc/__init__.py", inproc.SHADOW_TEST_PACKAGE)], F.TESTS_FAILED,
            kinds=("unittest",)),
     Attack("replace-test-module", [prepend(inproc.SWAP_MODULE)], F.TAMPERED),
+    # kiln's machinery, attacked through the workspace: bounded, and the policy's outcome
+    # (docs/reward.md, "What the workspace cannot break"). The suite lowers env-pool's
+    # diff bound (``diff_max_files``) so that "many files" stays fast; test_envpool runs
+    # the real scale.
+    Attack("path-past-path-max", [("sh", LONG_AND_DEEP_PATHS)], F.TESTS_FAILED),
+    Attack("many-files", [("sh", "mkdir junk && cd junk && seq 1 1500 | xargs touch")], F.NOT_APPLIED),
+    Attack("many-config-paths", [("sh", MANY_CONFIG_PATHS)], F.TESTS_FAILED),
+    Attack("deep-pyproject", [("write", "pyproject.toml", "x = " + "[" * 5000 + "]" * 5000 + "\n")], F.TESTS_FAILED,
+           protected=("pyproject.toml",)),
+    Attack("nul-and-raw-bytes-in-output", [("write", "{code}", NUL_OUTPUT)], F.TESTS_FAILED),
     Attack("hang", [prepend("while True:\n    pass\n")], F.TIMEOUT),
 ]
 
@@ -236,7 +262,8 @@ async def _apply(pool: EnvPoolClient, ref: c.SandboxRef, kind: Kind, steps: list
 @pytest.mark.parametrize("kind_name", list(KINDS))
 async def test_every_attack_scores_zero_and_the_real_fix_one(nats_server, bus, pg_url, run_dir, suite, env_root, kind_name):
     kind = KINDS[kind_name]
-    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root), "workspace_quota_bytes": 16 * MiB}
+    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root), "workspace_quota_bytes": 16 * MiB,
+               "diff_max_files": 1000}  # fmt: skip
     p, run_id = await reward_platform(run_dir, nats_server.url, pg_url, suite, envpool=envpool, reward={"concurrency": 2})
     try:
         pool = EnvPoolClient(bus)
@@ -244,7 +271,7 @@ async def test_every_attack_scores_zero_and_the_real_fix_one(nats_server, bus, p
         cases = {a.name: a.steps for a in attacks}
         cases["real-fix"] = [("write", "{code}", kind.fix)]
         cases["real-fix-and-junk"] = [("write", "{code}", kind.fix), ("write", "sitecustomize.py", EXIT_OK),
-                                      ("sh", "echo '# touched' >> {test}")]  # fmt: skip
+                                      ("sh", "echo '# touched' >> {test}"), ("sh", "mkdir -p $(printf 'j/%.0s' $(seq 200))")]  # fmt: skip
         for name, steps in cases.items():
             ref = await pool.create(kind.task.id)
             await _apply(pool, ref, kind, steps)
@@ -270,3 +297,11 @@ async def test_every_attack_scores_zero_and_the_real_fix_one(nats_server, bus, p
     assert got["full-quota"].integrity.not_reproduced == ["fill"]  # too large to carry: absent from the clean room
     assert "unittest.case.TestCase.run" in got["patch-testcase-run"].integrity.tampered
     assert got["shadow-a-stdlib-module"].integrity.shadowed == ["module colorsys from the workspace (colorsys.py)"]
+    deep = got["path-past-path-max"].integrity.not_reproduced  # the folders past the path bounds: listed, not carried
+    assert {p[:1] for p in deep} == {"a", "d"}, deep
+    assert "diff_max_files" in got["many-files"].failure_detail
+    db = Database(pg_url)
+    async with db.session() as s:
+        rec = await s.get(TrajectoryRecord, f"{kind_name}-nul-and-raw-bytes-in-output")
+    await db.close()
+    assert "a NUL \u2400 in the failure message" in rec.test_output  # recorded, the NUL shown as U+2400
