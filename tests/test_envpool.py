@@ -6,6 +6,8 @@ reach each sandbox's owner, and the operator HTTP API."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -377,6 +379,24 @@ async def test_nothing_the_workspace_holds_breaks_the_node(envpool, bus):
     stats = await pool.stats(ref.node_id)
     assert await pool.destroy(ref)
     await wait_for(lambda: not list(Path(stats.workspace_root, "ws").glob("sb-*")), 30)  # the deep tree is removed too
+
+
+def test_an_upper_layer_too_deep_for_a_recursive_walk_copies_and_snapshots(tmp_path):
+    """A fork's copy and a snapshot of an environment sandbox's upper layer walk it the
+    bounded way: a tree 1,500 levels deep (past Python's recursion limit) is cut at the
+    depth bound instead of failing the request."""
+    from kiln.envpool import upper as upp
+    from kiln.envpool.overlay import copy_upper
+
+    src = tmp_path / "upper"
+    (src / "workspace").mkdir(parents=True)
+    (src / "workspace" / "kept.py").write_text("x = 1\n")
+    subprocess.run(["bash", "-c", "mkdir -p $(printf 'a/%.0s' $(seq 1500))"], cwd=src / "workspace", check=True)
+    copy_upper(src, tmp_path / "copy")
+    assert (tmp_path / "copy" / "workspace" / "kept.py").read_text() == "x = 1\n"
+    data, _ = upp.snapshot(src)
+    upp.restore(data, None, tmp_path / "restored", os.getuid(), os.getgid())
+    assert (tmp_path / "restored" / "workspace" / "kept.py").read_text() == "x = 1\n"
 
 
 def test_usage_counts_bytes_past_the_walk_bounds(tmp_path):

@@ -331,10 +331,12 @@ def copy_upper(src: Path, dst: Path, uid: int = 0, gid: int = 0) -> None:
     every entry owned by ``uid``: a fork's frozen layer (root's, idmapped later) or a
     restored upper (the new sandbox's)."""
     dst.mkdir(parents=True, exist_ok=True)
-    for dirpath, dirs, files in os.walk(src):
-        here = Path(dirpath)
-        out = dst / here.relative_to(src)
-        for name in dirs + files:
+    from kiln.envpool.walk import Bounds, walk
+
+    for e in walk(src, Bounds(), []):  # iterative and path-bounded: a tree no host path reaches stays behind
+        here = e.here
+        out = dst / e.rel
+        for name in e.dirs + e.files:
             s, d = here / name, out / name
             st = os.lstat(s)
             if stat.S_ISDIR(st.st_mode):

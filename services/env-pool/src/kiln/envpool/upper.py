@@ -34,15 +34,13 @@ def snapshot(upper: Path) -> tuple[bytes, str]:
     """The upper directory as an OCI-convention layer tarball, and its sha256."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
-        for dirpath, dirs, files in os.walk(upper):
-            dirs.sort()
-            here = Path(dirpath)
-            rel = here.relative_to(upper)
+        for e in walk(upper, Bounds(), []):  # iterative and path-bounded, like the diff
+            here, rel = e.here, Path(e.rel)
             if here != upper:
                 tar.add(here, arcname=str(rel), recursive=False)
                 if is_opaque(here):
                     _empty(tar, rel / OPAQUE_MARKER)
-            for name in sorted(files):
+            for name in e.files:  # links to folders included
                 if name.startswith(WHITEOUT_PREFIX):
                     continue  # the agent's own file by a marker's name: never read back as a marker
                 st = os.lstat(here / name)
@@ -50,8 +48,6 @@ def snapshot(upper: Path) -> tuple[bytes, str]:
                     _empty(tar, rel / f"{WHITEOUT_PREFIX}{name}")
                 elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
                     tar.add(here / name, arcname=str(rel / name), recursive=False)
-            for name in [d for d in dirs if os.path.islink(here / d)]:
-                tar.add(here / name, arcname=str(rel / name), recursive=False)
     data = buf.getvalue()
     return data, hashlib.sha256(data).hexdigest()
 
