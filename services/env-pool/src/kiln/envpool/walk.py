@@ -42,15 +42,6 @@ class Bounds:
     def from_settings(cls, s) -> Bounds:
         return cls(s.diff_max_files, s.diff_max_text_bytes, s.max_path_chars, s.max_path_depth)
 
-    def refuse(self, rel: str) -> str | None:
-        """Why a workspace path may not be used (None: it may)."""
-        if len(rel) > self.max_path_chars:
-            return f"the path is {len(rel)} characters long; paths have at most {self.max_path_chars}"
-        depth = rel.count("/") + 1
-        if depth > self.max_depth:
-            return f"the path is {depth} levels deep; paths have at most {self.max_depth}"
-        return None
-
 
 @dataclass
 class Tally:
