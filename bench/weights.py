@@ -94,7 +94,7 @@ def model_folder(dest: Path, mb: int, seed: int, base: dict | None = None, chang
 
 async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
     """A light receiver: fetch and verify every published version, report when done."""
-    from kiln.shared.weights.receiver import FsSource, WeightReceiver
+    from kiln.shared.weights.transport.files import FsSource, WeightReceiver
 
     bus = await Bus.connect(NatsSettings(url=nats_url), tag)
     receivers: dict[str, WeightReceiver] = {}

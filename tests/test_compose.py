@@ -194,6 +194,8 @@ def _resolve_env_key(key: str, classes: list[type[ServiceConfig]]) -> str | None
     for i, name in enumerate(rest):
         if model is None:
             break  # below a dict field any key is data
+        if name in getattr(model, "deprecated_keys", {}):
+            return None  # an old flat key, still read (with a warning)
         if name not in model.model_fields:
             return f"{key}: section [{path}] ({model.__name__}) has no field {name!r} (fields: {', '.join(model.model_fields)})"
         f = model.model_fields[name]

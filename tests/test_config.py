@@ -101,3 +101,55 @@ def test_april_overlaps_only_where_the_staleness_bound_leaves_room():
     # At bound 1 the over-provisioned groups begun during a step would train two versions old.
     assert not AlgorithmSettings(mode="april", max_staleness=1).april_overlaps
     assert not AlgorithmSettings(mode="async", max_staleness=3).april_overlaps
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_presets_use_no_deprecated_key(preset):
+    import warnings
+
+    from kiln.shared.weights.transport import DeprecatedKeyWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecatedKeyWarning)
+        load_config(RolloutConfig, preset)
+
+
+def test_the_old_flat_weight_keys_map_onto_the_transport_union(tmp_path, monkeypatch):
+    """``weights.fetch`` / ``broadcast_*`` / ``cache_dir`` load with a warning and mean what
+    they meant; mixing them with ``[weights.transport]`` merges; a broadcast key on a files
+    transport is an error unless it holds the old default (so old ``kiln config show`` output loads)."""
+    from kiln.shared.config import WeightsSettings
+    from kiln.shared.weights.transport import (
+        DeprecatedKeyWarning, FilesTransport, HttpTransport, TorchBroadcastTransport, VllmNcclTransport,
+    )  # fmt: skip
+
+    def load(**flat) -> WeightsSettings:
+        with pytest.warns(DeprecatedKeyWarning, match="weights.fetch|weights.broadcast|weights.cache_dir"):
+            return WeightsSettings(**flat)
+
+    group = {"broadcast_init_method": "tcp://w:29600", "broadcast_world_size": 3, "broadcast_rank": 2}
+    assert load(fetch="http", cache_dir="/c").transport == HttpTransport(kind="http", cache_dir="/c")
+    t = load(fetch="broadcast", broadcast_backend="gloo", **group).transport
+    assert t == TorchBroadcastTransport(kind="torch-broadcast", backend="gloo", init_method="tcp://w:29600", world_size=3, rank=2)
+    t = load(fetch="broadcast", **group).transport
+    assert isinstance(t, TorchBroadcastTransport) and t.backend == "nccl"
+    t = load(fetch="broadcast", broadcast_backend="vllm-nccl", **group).transport
+    assert t == VllmNcclTransport(kind="vllm-nccl", init_method="tcp://w:29600", world_size=3, rank=2)
+    old_show = {"fetch": "fs", "broadcast_init_method": "", "broadcast_world_size": 0, "broadcast_rank": 0,
+                "broadcast_backend": "nccl", "cache_dir": ""}  # fmt: skip
+    assert load(**old_show).transport == FilesTransport()
+    with pytest.raises(ValidationError, match="applies only to weights.fetch = 'broadcast'"):
+        load(fetch="fs", broadcast_init_method="tcp://w:1")
+    with pytest.raises(ValidationError, match="tcp://host:port"):
+        WeightsSettings(transport={"kind": "vllm-nccl", "init_method": "env://", "world_size": 2})
+    with pytest.raises(ValidationError, match="backend"):  # each variant carries only its own keys
+        WeightsSettings(transport={"kind": "vllm-nccl", "init_method": "tcp://w:1", "world_size": 2, "backend": "gloo"})
+    # An old key on top of the new table (an env var, a --set) merges into it.
+    exp = tmp_path / "exp.toml"
+    exp.write_text('[weights.transport]\nkind = "torch-broadcast"\ninit_method = "tcp://w:1"\nworld_size = 2\n')
+    with pytest.warns(DeprecatedKeyWarning):
+        t = load_config(RolloutConfig, exp, ["weights.broadcast_rank=1"]).weights.transport
+    assert (t.kind, t.rank, t.init_method) == ("torch-broadcast", 1, "tcp://w:1")
+    monkeypatch.setenv("KILN_WEIGHTS__FETCH", "http")
+    with pytest.warns(DeprecatedKeyWarning):
+        assert load_config(RolloutConfig, exp).weights.transport == HttpTransport(kind="http")

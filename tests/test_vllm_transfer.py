@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer path (``weights.broadcast_backend = "vllm-nccl"``): what both
+"""vLLM's weight-transfer path (``weights.transport.kind = "vllm-nccl"``): what both
 sides agree on (tensor order, dtypes, rendezvous), which engine each broadcast path
 feeds, and, where two GPUs and a CUDA build of vLLM are lent, a version sent by the
 weights service's sender and served by a real vLLM engine."""
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from kiln.shared.config import load_config
 from kiln.shared.embedded import free_port
 from kiln.shared.weights.manifest import build_manifest
-from kiln.shared.weights.vllm_transfer import rendezvous, update_info
+from kiln.shared.weights.transport.vllm_nccl import rendezvous, update_info
 
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.main import check_broadcast
@@ -55,8 +55,8 @@ def test_rendezvous_is_tcp_host_and_port():
 )  # fmt: skip
 def test_each_broadcast_path_feeds_its_engine(tmp_path, engine, backend, error):
     exp = experiment(tmp_path, "nats://127.0.0.1:4222", "sqlite://", rollout={"engine": engine},
-                     weights={"fetch": "broadcast", "broadcast_init_method": "tcp://127.0.0.1:29600",
-                              "broadcast_world_size": 2, "broadcast_backend": backend})  # fmt: skip
+                     weights={"transport": {"init_method": "tcp://127.0.0.1:29600", "world_size": 2,
+                              **({"kind": "vllm-nccl"} if backend == "vllm-nccl" else {"kind": "torch-broadcast", "backend": backend})}})  # fmt: skip
     cfg = load_config(RolloutConfig, exp)
     if error is None:
         check_broadcast(cfg)
@@ -79,7 +79,7 @@ SENDER = textwrap.dedent("""
     import sys
     from safetensors.torch import load_file
     from kiln.shared.weights.manifest import build_manifest
-    from kiln.shared.weights.vllm_transfer import VllmTransferSender
+    from kiln.shared.weights.transport.vllm_nccl import VllmTransferSender
     init, folder = sys.argv[1], sys.argv[2]
     sender = VllmTransferSender(init, 2)
     m = build_manifest(__import__("pathlib").Path(folder), run_id="r", version=1, step=1, parent_version=0)
@@ -90,7 +90,7 @@ ENGINE = textwrap.dedent("""
     import asyncio, json, sys
     from pathlib import Path
     from kiln.shared.weights.manifest import build_manifest
-    from kiln.shared.weights.vllm_transfer import update_info, worker_init_info
+    from kiln.shared.weights.transport.vllm_nccl import update_info, worker_init_info
     from kiln.rollout.config import VllmSettings
     from kiln.rollout.vllm_engine import VllmEngine
     init, v0, v1 = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -18,7 +18,7 @@ from kiln.shared.db import Database, PolicyVersion, Run
 from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
 from kiln.shared.model.tokenizer import train_tokenizer
 from kiln.shared.weights.manifest import IntegrityError
-from kiln.shared.weights.receiver import FsSource, HttpSource, WeightReceiver
+from kiln.shared.weights.transport.files import FsSource, HttpSource, WeightReceiver
 
 from kiln.weights.store import VersionStore
 

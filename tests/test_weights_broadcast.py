@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run
 from kiln.shared.embedded import free_port
-from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
+from kiln.shared.weights.transport.torch_broadcast import BroadcastGroup, BroadcastSettings
 
 from harness import experiment, wait_for
 from test_weights import checkpoints
@@ -71,7 +71,7 @@ def test_broadcast_over_nccl():
 async def test_weights_service_broadcasts_to_a_rollout_engine(nats_server, bus, pg_url, run_dir, tmp_path):
     init = f"tcp://127.0.0.1:{free_port()}"
     exp = experiment(run_dir, nats_server.url, pg_url, weights={
-        "fetch": "broadcast", "broadcast_init_method": init, "broadcast_world_size": 2, "broadcast_backend": "gloo",
+        "transport": {"kind": "torch-broadcast", "init_method": init, "world_size": 2, "backend": "gloo"},
     })  # fmt: skip
     from kiln.shared.config import load_config
     from kiln.weights.config import WeightsConfig
@@ -90,7 +90,7 @@ async def test_weights_service_broadcasts_to_a_rollout_engine(nats_server, bus, 
         )
 
     weights = service("kiln.weights.main", "weights-b")
-    rollout = service("kiln.rollout.main", "rollout-b", "--set", "weights.broadcast_rank=1")
+    rollout = service("kiln.rollout.main", "rollout-b", "--set", "weights.transport.rank=1")
     staged = checkpoints(tmp_path, 2)
     try:
         await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(staged[0])))

@@ -17,12 +17,14 @@ import contextvars
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable, Literal, TypeVar
+from typing import Any, ClassVar, Iterable, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kiln.shared.tools import offered
+from kiln.shared.weights.transport.config import DEPRECATED_KEYS, FilesTransport, Transport, migrate_flat_keys
 
 CONFIG_ENV = "KILN_CONFIG"
 
@@ -307,6 +309,8 @@ class EvalSettings(Section):
 class WeightsSettings(Section):
     """The version store (weights service) and how engines receive versions (rollout)."""
 
+    deprecated_keys: ClassVar[dict[str, str]] = DEPRECATED_KEYS
+
     store_dir: str = ""
     """Root of the version store; empty = ``<run.dir>/weights``."""
     staging_dir: str = ""
@@ -331,23 +335,16 @@ class WeightsSettings(Section):
     public_url: str = ""
     """URL receivers use for the HTTP API, when it differs from the bound address (a load
     balancer, a service name)."""
-    fetch: Literal["fs", "http", "broadcast"] = "fs"
-    """How rollout engines read versions: ``fs`` from the store directory (shared disk),
-    ``http`` through the weights service's HTTP API (any network), ``broadcast`` from the
-    weights service over a torch.distributed group (NCCL on GPUs; ``broadcast_*``)."""
-    broadcast_init_method: str = ""
-    """Rendezvous of the broadcast group, e.g. ``tcp://weights-0:29600``; empty = no group."""
-    broadcast_world_size: int = 0
-    """Members of the broadcast group: the weights service (rank 0) + every engine."""
-    broadcast_rank: int = 0
-    """This member's rank (each rollout engine its own, 1..world_size-1)."""
-    broadcast_backend: Literal["nccl", "gloo", "vllm-nccl"] = "nccl"
-    """``nccl`` for GPU engines, ``gloo`` on CPUs (both torch.distributed, into
-    ``rollout.engine = "torch"``); ``vllm-nccl``: vLLM's weight-transfer engine, straight
-    into ``rollout.engine = "vllm"`` on GPUs (``init_method`` must be ``tcp://host:port``)."""
-    cache_dir: str = ""
-    """Where a receiver rebuilds and keeps versions it cannot read in place (delta or http);
-    empty = ``<run.dir>/weights-cache/<instance>``."""
+    transport: Transport = Field(default_factory=FilesTransport)
+    """How versions reach the engines (``kiln.shared.weights.transport``): one of the
+    ``kind`` variants below, each with only its own keys."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_transport_keys(cls, data: Any) -> Any:
+        """The flat keys of earlier releases (``fetch``, ``broadcast_*``, ``cache_dir``)
+        still load, with a warning (``DEPRECATED_KEYS``)."""
+        return migrate_flat_keys(data) if isinstance(data, dict) else data
 
 
 class LocalSettings(Section):
@@ -520,7 +517,30 @@ def describe(cls: type[BaseModel]) -> list[tuple[str, str, Any, str]]:
             for sub, typ, default, desc in describe(ann):
                 rows.append((f"{name}.{sub}", typ, default, desc))
             continue
+        if f.discriminator and get_origin(ann) is Union:
+            rows += _describe_union(name, f, get_args(ann))
+            continue
         default = f.get_default(call_default_factory=True)
         typ = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
         rows.append((name, typ, default, (f.description or "").strip()))
+    for old, now in getattr(cls, "deprecated_keys", {}).items():
+        rows.append((old, "deprecated", "", f"Old key, still read (with a warning): now {now}."))
+    return rows
+
+
+def _describe_union(name: str, f, variants: tuple[type[BaseModel], ...]) -> list[tuple[str, str, Any, str]]:
+    """A discriminated union: its ``kind``, then each variant's keys, saying which variants have them."""
+    key = f.discriminator
+    default = f.get_default(call_default_factory=True)
+    kinds = [v.model_fields[key].annotation.__args__[0] for v in variants]
+    first = variants[0].model_fields[key]
+    rows = [(f"{name}.{key}", " \\| ".join(f'"{k}"' for k in kinds), getattr(default, key), f"{f.description or ''} {first.description or ''}".strip())]
+    seen: dict[str, list] = {}
+    for kind, v in zip(kinds, variants):
+        for sub, typ, d, desc in describe(v):
+            if sub != key:
+                seen.setdefault(sub, [typ, d, desc, []])[3].append(kind)
+    for sub, (typ, d, desc, ks) in seen.items():
+        d = "(required)" if d is PydanticUndefined else d
+        rows.append((f"{name}.{sub}", typ, d, f"({', '.join(f'``{k}``' for k in ks)}) {desc}"))
     return rows

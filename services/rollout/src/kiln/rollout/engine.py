@@ -2,7 +2,9 @@
 
 ``InferenceEngine``: ``generate`` continues a token sequence and returns the new tokens
 with their logprobs and, token by token, the policy version that produced them;
-``load`` swaps in a new version; ``abort`` makes every ``generate`` in flight return at
+``load`` swaps in a new version (``load_state`` from tensors, where the engine can;
+engines that receive in place, ``VllmEngine``, also implement
+``kiln.shared.weights.transport.base.InPlaceTransferEngine``); ``abort`` makes every ``generate`` in flight return at
 once with what it has (``finish_reason = "abort"``); ``tokens_generated`` counts the
 tokens sampled so far as they come (a generation in flight moves it).
 
@@ -72,7 +74,15 @@ class InferenceEngine(ABC):
     ) -> Generation: ...
 
     @abstractmethod
-    async def load(self, version: int, folder: Path) -> None: ...
+    async def load(self, version: int, folder: Path) -> None:
+        """Serve the verified checkpoint ``folder`` as ``version`` (every weight transport)."""
+
+    async def load_state(self, version: int, state: dict) -> None:
+        """Serve ``version`` from host tensors with HF names (the ``torch-broadcast``
+        transport; ``kiln.shared.weights.transport.base.TensorEngine``). Engines that take
+        only folders refuse it; ``weights.transport`` is checked against ``rollout.engine``
+        before either starts, so a run never gets here."""
+        raise NotImplementedError(f"{type(self).__name__} loads versions from files only")
 
     @abstractmethod
     async def abort(self) -> None:

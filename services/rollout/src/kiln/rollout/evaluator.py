@@ -4,7 +4,9 @@ version each request names, with the same agent loop, tools and sandboxes as tra
 Invariants:
 - every episode of a request runs under the request's version: a worker switches
   versions only when no episode is running (requests for the version it serves go
-  first), and serves a version only after its files matched the manifest's sha256;
+  first), through the same feed as a training worker (always a files feed: an eval
+  worker never joins a broadcast group), which serves a version only after its files
+  matched the manifest's sha256;
 - seeds depend on the evaluation's seed, the task, the mode and the sample only, never
   on the version, so versions are compared on the same random numbers;
 - a request is acked after all its trajectories are published (ids
@@ -23,8 +25,7 @@ from opentelemetry.context import Context
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, Retry
-from kiln.shared.model.tokenizer import load_tokenizer
-from kiln.shared.weights.manifest import IntegrityError
+from kiln.shared.weights.transport.base import VersionUnavailable
 
 from kiln.rollout.agent import EpisodeSpec, run_episode
 from kiln.rollout.worker import RolloutWorker, stable_seed
@@ -44,13 +45,9 @@ class EvalWorker(RolloutWorker):
             await self._gate.wait_for(lambda: self.engine.version == weights.version or self._users == 0)
             if self.engine.version != weights.version:
                 try:
-                    folder = await self.receiver(weights).fetch(weights)
-                except (IntegrityError, OSError) as e:
+                    await self.feed.switch_to(weights)
+                except VersionUnavailable as e:
                     raise Retry(f"version {weights.version} cannot be loaded: {e}", 5.0) from None
-                with self.ctx.tracer.start_as_current_span("rollout.load_weights", attributes={"policy.version": weights.version}):
-                    await self.engine.load(weights.version, folder)
-                if self.tokenizer is None:
-                    self.tokenizer = load_tokenizer(folder)
                 self.ctx.health_detail.update(version=weights.version)
                 log.info("evaluating under version %d", weights.version)
             self._users += 1

@@ -8,9 +8,7 @@ and ``rollout-workers`` consumers, so any number of replicas share the work; wat
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 
 from kiln.shared import contracts as c
 from kiln.shared.service import ServiceContext, service_main
@@ -47,8 +45,7 @@ async def serve(ctx: ServiceContext) -> None:
             await worker.serve_endpoint()
         await ctx.bus.watch(c.ROLLOUT_CONTROL, c.RolloutControl, worker.on_control, deliver="new")
         await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
-        if cfg.weights.fetch == "broadcast" and cfg.weights.broadcast_backend != "vllm-nccl":
-            start_broadcast_receiver(worker, asyncio.get_running_loop())
+        await worker.feed.start(ctx.stop)
         await ctx.bus.consume(
             c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups,
             ready=ctx.ready, before=(c.ROLLOUT_RESUMERS,), hold_back=worker.holding_back,
@@ -60,18 +57,9 @@ async def serve(ctx: ServiceContext) -> None:
 
 
 def check_broadcast(cfg: RolloutConfig) -> None:
-    """The broadcast paths each feed one kind of engine: torch.distributed tensors the
+    """The broadcast transports each feed one kind of engine: torch.distributed tensors the
     in-process ``torch`` engine, vLLM's weight transfer a ``vllm`` engine."""
-    w = cfg.weights
-    if w.fetch != "broadcast":
-        return
-    wanted = "vllm" if w.broadcast_backend == "vllm-nccl" else "torch"
-    if cfg.rollout.engine != wanted:
-        raise ValueError(
-            f"weights.fetch = 'broadcast' over {w.broadcast_backend!r} feeds rollout.engine = {wanted!r}, not"
-            f" {cfg.rollout.engine!r}: use broadcast_backend = {'vllm-nccl' if cfg.rollout.engine == 'vllm' else 'nccl'!r},"
-            " or read versions from files (weights.fetch = 'fs' or 'http')"
-        )
+    cfg.weights.transport.check_engine(cfg.rollout.engine)
 
 
 def make_engine(cfg: RolloutConfig, instance: str) -> InferenceEngine:
@@ -79,8 +67,7 @@ def make_engine(cfg: RolloutConfig, instance: str) -> InferenceEngine:
     if r.engine == "vllm":
         from kiln.rollout.vllm_engine import VllmEngine
 
-        w = cfg.weights
-        return VllmEngine(r.vllm, instance, transfer=w.fetch == "broadcast" and w.broadcast_backend == "vllm-nccl")
+        return VllmEngine(r.vllm, instance, transfer=cfg.weights.transport.kind == "vllm-nccl")
     if r.engine == "sim":
         from kiln.rollout.sim import SimEngine
 
@@ -92,29 +79,6 @@ def make_engine(cfg: RolloutConfig, instance: str) -> InferenceEngine:
         log.warning("engine = scripted: every episode replays [rollout.scripted] (tests only)")
         return ScriptedEngine(r.scripted)
     return TorchEngine(r.torch_threads)
-
-
-def start_broadcast_receiver(worker: RolloutWorker, loop: asyncio.AbstractEventLoop) -> threading.Thread:
-    """Join the weights service's broadcast group and hand every version it sends to the
-    engine. A thread: the collectives block."""
-    from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
-
-    w = worker.cfg.weights
-
-    def run() -> None:
-        group = BroadcastGroup(BroadcastSettings(w.broadcast_init_method, w.broadcast_world_size, w.broadcast_rank, w.broadcast_backend))
-        while not worker.ctx.stop.is_set():
-            try:
-                run_id, version, tensors = group.receive()
-            except Exception as e:  # the sender went away: the run is over or being restarted
-                log.warning("weights broadcast stopped: %s", e)
-                return
-            if run_id == worker.cfg.run.id:
-                asyncio.run_coroutine_threadsafe(worker.on_tensors(version, tensors), loop).result()
-
-    t = threading.Thread(target=run, name="weights-broadcast", daemon=True)
-    t.start()
-    return t
 
 
 def main() -> None:

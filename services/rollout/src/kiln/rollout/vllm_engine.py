@@ -10,10 +10,10 @@
   label sampled which output tokens (``weight_versions`` spans), so every token's
   version is exact even when one request straddles a reload.
 - ``abort`` aborts every request in flight; each returns the tokens it has.
-- On GPU fleets (``weights.broadcast_backend = "vllm-nccl"``) versions after the first
+- On GPU fleets (``weights.transport.kind = "vllm-nccl"``) versions after the first
   arrive over NCCL instead of files: ``join_transfer`` makes the engine's worker a rank of
   the weights service's group (vLLM's weight-transfer engine), ``receive_transfer`` loads
-  one version between the same pause and resume (``kiln.shared.weights.vllm_transfer``).
+  one version between the same pause and resume (``kiln.shared.weights.transport.vllm_nccl``).
 
 The first ``load`` starts the engine on that folder (config, tokenizer, weights); later
 loads reload weights only (same architecture).

@@ -3,7 +3,8 @@
 Consumes ``PolicyCheckpoint``s (shared ``weights-writers`` consumer), stores each version
 (full, or as a delta against the previous one), registers it in the database, applies
 retention, then publishes ``WeightsPublished`` on ``kiln.weights.published.<run_id>``.
-Serves the HTTP API receivers on other machines download from.
+Serves the HTTP API receivers on other machines download from, and pushes each version
+over the configured transport's sender (``kiln.shared.weights.transport``).
 
 Invariant: a version is announced only after it is stored, verified and registered; a
 redelivered checkpoint re-announces the same stored version (same ``Nats-Msg-Id``),
@@ -27,6 +28,7 @@ from kiln.shared.db import Database, PolicyVersion
 from kiln.shared.http import serve_http
 from kiln.shared.service import ServiceContext, service_main
 from kiln.shared.weights.manifest import IntegrityError
+from kiln.shared.weights.transport import make_sender
 
 from kiln.weights.api import build_app
 from kiln.weights.config import WeightsConfig, confined, staging_dir, store_dir
@@ -44,7 +46,7 @@ async def serve(ctx: ServiceContext) -> None:
     if w.http_port >= 0:
         url, http_task = await serve_http(build_app(store, db, w.http_token), w.http_host, w.http_port, w.http_token, ctx.stop)
     public_url = w.public_url or url
-    broadcaster = Broadcaster(w) if w.broadcast_init_method else None
+    sender = make_sender(w.transport)
 
     staging = staging_dir(cfg, w.staging_dir)
 
@@ -84,7 +86,7 @@ async def serve(ctx: ServiceContext) -> None:
             await retain(ck.run_id)
         # Decided before the event: receivers of vllm-nccl post a receive exactly for the
         # versions the event marks, so the send below must follow the mark.
-        broadcast = broadcaster is not None and broadcaster.will_send()
+        broadcast = sender.will_send()
         with ctx.tracer.start_as_current_span("weights.publish", attributes={"policy.version": ck.version}):
             await ctx.bus.publish(
                 c.weights_published_subject(ck.run_id),
@@ -95,7 +97,7 @@ async def serve(ctx: ServiceContext) -> None:
                 msg_id=f"{ck.run_id}-v{ck.version}",
             )  # fmt: skip
         if broadcast:
-            await broadcaster.send(ck.run_id, ck.version, src, m)
+            await sender.send(ck.run_id, ck.version, src, m)
         ctx.health_detail["latest_version"] = ck.version
         ctx.metrics.published.add(1, {"storage": m.storage})
         ctx.metrics.version.set(ck.version)
@@ -126,50 +128,6 @@ async def serve(ctx: ServiceContext) -> None:
             ctx.stop.set()
             await http_task
         await db.close()
-
-
-class Broadcaster:
-    """Rank 0 of the engines' broadcast group (needs torch: ``kiln-weights[broadcast]``):
-    torch.distributed (``nccl``/``gloo``) or vLLM's weight transfer (``vllm-nccl``). The
-    group forms in the background, so the service serves before every engine joined;
-    versions published before that reach engines through their files."""
-
-    def __init__(self, w):
-        self.world_size = w.broadcast_world_size
-        self.vllm = w.broadcast_backend == "vllm-nccl"
-        if self.vllm:
-            from kiln.shared.weights.vllm_transfer import VllmTransferSender
-
-            self.group = asyncio.ensure_future(asyncio.to_thread(VllmTransferSender, w.broadcast_init_method, w.broadcast_world_size))
-        else:
-            from kiln.shared.weights.broadcast import BroadcastGroup, BroadcastSettings
-
-            settings = BroadcastSettings(w.broadcast_init_method, w.broadcast_world_size, 0, w.broadcast_backend)
-            self.group = asyncio.ensure_future(asyncio.to_thread(BroadcastGroup, settings))
-        self.lock = asyncio.Lock()
-
-    def will_send(self) -> bool:
-        """Whether the next version goes out over the group. torch.distributed receivers
-        read a header per version, so every version is sent (once the group has formed);
-        vLLM's receivers post a receive per version, so only once every engine has joined
-        (a group that failed to form never sends)."""
-        if not self.vllm:
-            return True
-        return self.group.done() and self.group.exception() is None
-
-    async def send(self, run_id: str, version: int, folder: Path, manifest: c.WeightsManifest) -> None:
-        from safetensors.torch import load_file
-
-        group = await self.group
-        async with self.lock:
-            tensors: dict = {}
-            for f in sorted({t.file for t in manifest.tensors.values()}):
-                tensors.update(await asyncio.to_thread(load_file, str(folder / f)))
-            if self.vllm:
-                sent = await asyncio.to_thread(group.send, manifest, tensors)
-            else:
-                sent = await asyncio.to_thread(group.send, run_id, version, tensors)
-        log.info("broadcast version %d to %d engines (%d bytes)", version, self.world_size - 1, sent)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Receiving policy versions: the engine side of every weight transport.
+"""Versions as files: the ``fs`` and ``http`` transports, and the files path every
+other transport starts with (the first version) and falls back to.
 
 A ``Source`` reads what the weights store holds (``FsSource``: its directory, shared
 with the receiver; ``HttpSource``: the weights service's HTTP API). ``WeightReceiver``
@@ -10,6 +11,8 @@ version before the target (a receiver that missed versions catches up that way).
 Invariant: ``fetch`` returns a folder only after every file matched the manifest's
 sha256. A mismatch discards the copy and refetches once from the full chain; if that
 fails too, ``IntegrityError`` is raised and the caller keeps serving what it had.
+``VersionFiles`` picks the receiver for the store a version names; ``FilesFeed`` is the
+feed of the files transports (and of every eval worker).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from kiln.shared.contracts import WeightsManifest, WeightsPublished
+from kiln.shared.weights.transport.base import WeightFeed
 from kiln.shared.weights.delta import apply_delta
 from kiln.shared.weights.manifest import MANIFEST, IntegrityError, verify
 
 log = logging.getLogger("kiln.weights.receiver")
+
 
 
 class Source(ABC):
@@ -148,3 +153,38 @@ class WeightReceiver:
         for v in held:
             if v not in held[-self.keep :] and v != newest:
                 shutil.rmtree(self._local(run_id, v), ignore_errors=True)
+
+
+class VersionFiles:
+    """Where a worker reads a version's files: the store's directory in place when it can
+    (shared disk, full versions, no cache asked for), otherwise rebuilt in its own cache;
+    one ``WeightReceiver`` per store."""
+
+    def __init__(self, http: bool, in_place: bool, cache_dir: Path, http_token: str = ""):
+        self.http = http
+        self.in_place = in_place and not http
+        self.cache_dir = cache_dir
+        self.http_token = http_token
+        self._receivers: dict[str, WeightReceiver] = {}
+
+    def receiver(self, msg: WeightsPublished) -> WeightReceiver:
+        if self.http:
+            if not msg.url:
+                raise OSError("weights.transport.kind = 'http' but the weights service announced no HTTP URL")
+            key, make = f"http:{msg.url}", lambda: HttpSource(msg.url, self.http_token)
+        else:
+            root = Path(msg.path).parents[1]
+            key, make = f"fs:{root}", lambda: FsSource(root)
+        if key not in self._receivers:
+            self._receivers[key] = WeightReceiver(make(), None if self.in_place else self.cache_dir)
+        return self._receivers[key]
+
+    async def fetch(self, msg: WeightsPublished) -> Path:
+        return await self.receiver(msg).fetch(msg)
+
+
+class FilesFeed(WeightFeed):
+    """``fs`` / ``http``: every version is read from its files."""
+
+    async def _deliver(self, msg: WeightsPublished) -> None:
+        await self._load_files(msg)

@@ -1,4 +1,5 @@
-"""Broadcasting policy versions to a fleet of engines with torch.distributed.
+"""The ``torch-broadcast`` transport: policy versions to a fleet of in-process engines
+with torch.distributed.
 
 For GPU fleets inside one cluster: the weights service is rank 0 of a process group
 whose other ranks are the rollout engines; a new version goes out as one collective
@@ -10,16 +11,31 @@ run id, and each tensor's name, dtype, shape), then every tensor in header order
 Invariant: a receiver returns a version only once every tensor of it has arrived, and
 it checks each tensor's sha256 against the header, so a torn or mixed-up transfer is an
 error, never a served version.
+
+``TorchBroadcastSender`` (weights service) sends every version once the group formed
+(receivers read a header per version, so none is skipped); ``TorchBroadcastFeed``
+(engine worker) receives in a thread, loads the tensors with ``load_state``, and reads a
+version's files when its tensors have not come ``fallback_s`` after the event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from kiln.shared.contracts import WeightsManifest, WeightsPublished
+from kiln.shared.weights.transport.base import WeightFeed, WeightSender, folder_tensors
+from kiln.shared.weights.transport.config import TorchBroadcastTransport
+
+log = logging.getLogger("kiln.weights.broadcast")
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
 
@@ -98,3 +114,76 @@ class BroadcastGroup:
 
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class TorchBroadcastSender(WeightSender):
+    """Rank 0 of the engines' group (needs torch: ``kiln-weights[broadcast]``). The group
+    forms in the background, so the service serves before every engine joined."""
+
+    def __init__(self, t: TorchBroadcastTransport):
+        self.world_size = t.world_size
+        settings = BroadcastSettings(t.init_method, t.world_size, 0, t.backend)
+        self.group = asyncio.ensure_future(asyncio.to_thread(BroadcastGroup, settings))
+        self.lock = asyncio.Lock()
+
+    def will_send(self) -> bool:
+        return True
+
+    async def send(self, run_id: str, version: int, folder: Path, manifest: WeightsManifest) -> None:
+        group = await self.group
+        async with self.lock:
+            tensors = await folder_tensors(folder, manifest)
+            sent = await asyncio.to_thread(group.send, run_id, version, tensors)
+        log.info("broadcast version %d to %d engines (%d bytes)", version, self.world_size - 1, sent)
+
+
+class TorchBroadcastFeed(WeightFeed):
+    def __init__(self, *a, transport: TorchBroadcastTransport, **kw):
+        super().__init__(*a, **kw)
+        self.t = transport
+        self._fallbacks: set[asyncio.Task] = set()
+
+    async def start(self, stop: asyncio.Event) -> None:
+        """Join the weights service's group; a thread, since the collectives block."""
+        loop = asyncio.get_running_loop()
+        t = self.t
+
+        def run() -> None:
+            group = BroadcastGroup(BroadcastSettings(t.init_method, t.world_size, t.rank, t.backend))
+            while not stop.is_set():
+                try:
+                    run_id, version, tensors = group.receive()
+                except Exception as e:  # the sender went away: the run is over or being restarted
+                    log.warning("weights broadcast stopped: %s", e)
+                    return
+                if run_id == self.run_id:
+                    asyncio.run_coroutine_threadsafe(self.on_tensors(version, tensors), loop).result()
+
+        threading.Thread(target=run, name="weights-broadcast", daemon=True).start()
+
+    async def _deliver(self, msg: WeightsPublished) -> None:
+        if self.tokenizer is not None and msg.broadcast:
+            # After the first version (config, tokenizer) tensors arrive by broadcast; the
+            # files are the fallback if they have not come in time.
+            task = asyncio.create_task(self._fallback(msg))
+            self._fallbacks.add(task)
+            task.add_done_callback(self._fallbacks.discard)
+            return
+        await self._load_files(msg)
+
+    async def _fallback(self, msg: WeightsPublished) -> None:
+        await asyncio.sleep(self.t.fallback_s)
+        if msg.version > self.version:
+            log.warning("version %d did not arrive by broadcast; reading its files", msg.version)
+            await self._load_files(msg)
+
+    async def on_tensors(self, version: int, tensors: dict) -> None:
+        """A version received over the group (its tensors' sha256 already checked)."""
+        async with self._loading:
+            if self.tokenizer is None or version <= self.version:
+                return  # the first version comes as files (it carries config and tokenizer)
+            with self._span(version):
+                await self.engine.load_state(version, tensors)
+            self.on_served(version, "broadcast")
+            log.info("serving policy version %d (broadcast)", version)
+        await self._notify()

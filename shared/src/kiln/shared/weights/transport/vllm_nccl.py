@@ -1,5 +1,5 @@
-"""Policy versions straight into vLLM engines over NCCL (``weights.broadcast_backend =
-"vllm-nccl"``), through vLLM's weight-transfer engine API.
+"""The ``vllm-nccl`` transport: policy versions straight into vLLM engines over NCCL
+(``weights.transport.kind = "vllm-nccl"``), through vLLM's weight-transfer engine API.
 
 The weights service is rank 0 of an NCCL group whose other ranks are the engines' vLLM
 workers (joined with ``AsyncLLM.init_weight_transfer_engine``); a version goes out as
@@ -22,28 +22,26 @@ Invariants:
 
 This path needs CUDA on both sides (vLLM's ``PyNcclCommunicator``); it is exercised by
 ``tests/test_vllm_transfer.py`` where two GPUs are lent and skipped otherwise. The
-torch.distributed path (``broadcast.py``) is the one tested on CPUs.
+torch.distributed path (``torch_broadcast.py``) is the one tested on CPUs.
 """
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import asyncio
+import logging
+from pathlib import Path
 
-from kiln.shared.contracts import WeightsManifest
+from kiln.shared.contracts import WeightsManifest, WeightsPublished
+from kiln.shared.weights.transport.base import InPlaceTransferEngine, WeightFeed, WeightSender, folder_tensors
+from kiln.shared.weights.transport.config import VllmNcclTransport, rendezvous
+
+log = logging.getLogger("kiln.weights.vllm")
 
 # safetensors dtype tags -> torch attribute names (what vLLM's update info carries)
 _TORCH_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
-
-
-def rendezvous(init_method: str) -> tuple[str, int]:
-    """``tcp://host:port`` -> (host, port): vLLM's stateless group rendezvous."""
-    parts = urlsplit(init_method)
-    if parts.scheme != "tcp" or not parts.hostname or not parts.port:
-        raise ValueError(f"weights.broadcast_init_method must be tcp://host:port for vllm-nccl, got {init_method!r}")
-    return parts.hostname, parts.port
 
 
 def update_info(manifest: WeightsManifest) -> dict:
@@ -97,3 +95,65 @@ class VllmTransferSender:
             group=self.group, src=0, post_iter_func=lambda item: item[1],
         )  # fmt: skip
         return sent
+
+
+class VllmNcclSender(WeightSender):
+    """The weights service's end: the group forms in the background (every engine joins
+    after its first version), and only versions announced after that are sent."""
+
+    def __init__(self, t: VllmNcclTransport):
+        self.world_size = t.world_size
+        self.group = asyncio.ensure_future(asyncio.to_thread(VllmTransferSender, t.init_method, t.world_size))
+        self.lock = asyncio.Lock()
+
+    def will_send(self) -> bool:
+        """Receivers post a receive per marked version, so only once every engine has
+        joined (a group that failed to form never sends)."""
+        return self.group.done() and self.group.exception() is None
+
+    async def send(self, run_id: str, version: int, folder: Path, manifest: WeightsManifest) -> None:
+        group = await self.group
+        async with self.lock:
+            tensors = await folder_tensors(folder, manifest)
+            sent = await asyncio.to_thread(group.send, manifest, tensors)
+        log.info("broadcast version %d to %d engines (%d bytes)", version, self.world_size - 1, sent)
+
+
+class VllmNcclFeed(WeightFeed):
+    engine: InPlaceTransferEngine
+
+    def __init__(self, *a, transport: VllmNcclTransport, **kw):
+        super().__init__(*a, **kw)
+        if not isinstance(self.engine, InPlaceTransferEngine):
+            raise TypeError(f"{type(self.engine).__name__} does not accept in-place transfers (vllm-nccl)")
+        self.t = transport
+        self._joined: asyncio.Task | None = None
+        """Joining the weights service's NCCL group (started after the first version)."""
+
+    def _first_folder_loaded(self) -> None:
+        """After the first version (the engine runs), join the sender's group in the
+        background; until every engine has joined, versions come as files."""
+        info = worker_init_info(self.t.init_method, self.t.rank, self.t.world_size)
+        self._joined = asyncio.create_task(self.engine.join_transfer(info))
+
+    async def _deliver(self, msg: WeightsPublished) -> None:
+        if self._joined is not None and msg.broadcast:
+            await self._receive(msg)
+        else:
+            await self._load_files(msg)
+
+    async def _receive(self, msg: WeightsPublished) -> None:
+        try:
+            # The sender's group formed with us in it, so our join is returning; one that
+            # does not (a restarted engine cannot join a group that formed without it) reads files.
+            await asyncio.wait_for(asyncio.shield(self._joined), self.t.fallback_s)
+        except asyncio.TimeoutError:
+            log.warning("not in the weights service's NCCL group; reading version %d from its files", msg.version)
+            await self._load_files(msg)
+            return
+        async with self._loading:
+            with self._span(msg.version):
+                await self.engine.receive_transfer(msg.version, update_info(msg.manifest))
+            self.on_served(msg.version, "vllm-nccl")
+            log.info("serving policy version %d (vllm-nccl)", msg.version)
+        await self._notify()
