@@ -179,6 +179,44 @@ def test_legit_decorators_and_inherited_tests_still_pass(tmp_path):
     assert report.statuses == "PPSPPPP" and report.completed and not report.tampered, (report, r.stderr[-3000:])
 
 
+@pytest.mark.parametrize("kind", ["unittest", "pytest"])
+def test_tests_inherited_from_a_sibling_test_module_pass_and_a_swapped_base_is_tampering(tmp_path, kind):
+    """A test class whose tests come from a base class in another test module of the
+    protected folder (itsdangerous's layout): the base module is served from its pristine
+    bytes too, so its inherited tests are witnessed; a base method swapped at run time is not."""
+    base = ("import unittest\n\nimport calc\n\n\nclass TestBase(unittest.TestCase):\n"
+            "    def test_zero(self):\n        self.assertEqual(calc.add(0, 0), 0)\n")
+    test = ("import calc\nfrom tests.test_base import TestBase\n\n\nclass TestMore(TestBase):\n"
+            "    def test_one(self):\n        self.assertEqual(calc.add(1, 0), 1)\n")
+    files = {"calc.py": CALC.files["calc.py"], "tests/__init__.py": "", "tests/test_base.py": base, "tests/test_more.py": test}
+    if kind == "unittest":
+        ids, command = ["tests.test_more.TestMore.test_zero", "tests.test_more.TestMore.test_one"], f"{sys.executable} -m unittest -v"
+    else:
+        ids = ["tests/test_more.py::TestMore::test_zero", "tests/test_more.py::TestMore::test_one"]
+        command = f"{sys.executable} -m pytest -p no:cacheprovider tests"
+    r, report = run_task(tmp_path, files, ids, command, {"tests/test_more.py": test})
+    assert report.statuses == "PP" and report.completed and not report.tampered, (report, r.stderr[-3000:])
+    swap = ("import sys\n_m = sys.modules.get('tests.test_base')\n"
+            "if _m is not None:\n    _m.TestBase.test_zero.__code__ = (lambda self: None).__code__\n")
+    files["tests/test_more.py"] = test.replace("\n\n\nclass", "\nimport calc_hook\n\n\nclass", 1)
+    files["calc_hook.py"] = swap  # the code under test, imported after the base module
+    more = files["tests/test_more.py"]
+    r, report = run_task(tmp_path, files, ids, command, {"tests/test_more.py": more})
+    assert report.statuses[0] != "P" and report.tampered, (report, r.stderr[-3000:])
+
+
+def test_a_package_the_framework_imports_is_the_repository_s_in_the_tests(tmp_path):
+    """pytest imports ``iniconfig`` from the environment before the workspace is on any
+    path; when the repository under test is iniconfig, its tests still import the
+    repository's code, not the framework's copy."""
+    files = {"iniconfig/__init__.py": "WHERE = 'workspace'\n",
+             "tests/test_where.py": "import iniconfig\n\n\ndef test_where():\n    assert iniconfig.WHERE == 'workspace'\n"}
+    ids = ["tests/test_where.py::test_where"]
+    r, report = run_task(tmp_path, files, ids, f"{sys.executable} -m pytest -p no:cacheprovider tests",
+                         {"tests/test_where.py": files["tests/test_where.py"]})
+    assert report.statuses == "P" and report.completed and not report.tampered, (report, r.stderr[-3000:])
+
+
 def test_pytest_parametrize_fixtures_classes_and_marks_still_pass(tmp_path):
     test = (
         "import pytest\nfrom unittest import mock\n\nimport calc\n\n\n"

@@ -62,6 +62,8 @@ CODES = {"passed": "P", "failed": "F", "error": "E", "skipped": "S"}
 PR_SET_DUMPABLE = 4
 KEY_BYTES = 32
 MAX_SOURCE_BYTES = 8 << 20
+MAX_NEIGHBOUR_BYTES = 32 << 20
+MAX_NEIGHBOURS = 5000
 CHILD_SOURCE = None  # runner_command inlines runner_child.py + runner_drivers.py here: (source, magic, code)
 MARKS = {"xfail": "xfail", "expectedFailure": "xfail", "skip": "skip", "skipIf": "skip", "skipUnless": "skip", "skipif": "skip"}
 
@@ -192,6 +194,49 @@ def _unittest_file(test_id, cwd):
     return None, None
 
 
+def _is_test_dir(name):
+    """protect.py's rule: a folder the clean room protects whole."""
+    return name in ("test", "tests", "testing") or name.startswith("test_") or name.endswith("_tests")
+
+
+def _neighbours(wanted, cwd):
+    """The other test modules the named ones may import (a base class in a sibling
+    module, a helper): every ``.py`` of the protected test folder each lives in, or the
+    test modules beside it, as protect.py protects them (so the clean room made them
+    the task's). Bounded: a huge test tree is read up to ``MAX_NEIGHBOUR_BYTES``."""
+    out, seen, budget = [], set(wanted), [MAX_NEIGHBOUR_BYTES, MAX_NEIGHBOURS]
+
+    def add(rel):
+        if rel in seen or not rel.endswith(".py") or budget[1] <= 0:
+            return
+        seen.add(rel)
+        budget[1] -= 1
+        out.append(rel)
+
+    for rel in list(wanted):
+        parts = rel.split("/")[:-1]
+        top = next((i for i, name in enumerate(parts) if _is_test_dir(name)), None)
+        if top is None:
+            folder = os.path.join(cwd, *parts) if parts else cwd
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                continue
+            for n in names:
+                if (n.startswith("test_") or n.endswith("_test.py")) and n.endswith(".py"):
+                    add("/".join(parts + [n]))
+            continue
+        root = os.path.join(cwd, *parts[: top + 1])
+        for where, dirs, files in os.walk(root):
+            depth = where[len(root):].count(os.sep)
+            if depth >= 16:
+                dirs[:] = []
+            dirs.sort()
+            for n in sorted(files):
+                add(os.path.relpath(os.path.join(where, n), cwd).replace(os.sep, "/"))
+    return out
+
+
 def pristine_sources(cfg, cwd):
     """Read and compile the protected test sources before any workspace code runs:
     ({relative path: [module names, code, declared marks]}, findings)."""
@@ -238,7 +283,32 @@ def pristine_sources(cfg, cwd):
                 code = compile(source, path, "exec", dont_inherit=True)
             except (SyntaxError, ValueError, RecursionError, MemoryError):
                 continue
-        files[rel] = [names, code, declared]
+        files[rel] = [names, code, declared, None]
+    # Their neighbours' bytes are read now, compiled (plain) only if the tests import them.
+    budget = MAX_NEIGHBOUR_BYTES
+    for rel in _neighbours(wanted, cwd):
+        if os.path.basename(rel) == "__init__.py":
+            continue
+        path = os.path.join(cwd, rel)
+        try:
+            if not os.path.isfile(path) or os.path.islink(path):
+                continue
+            with open(path, "rb") as f:
+                source = f.read(min(budget, MAX_SOURCE_BYTES) + 1)
+        except OSError:
+            continue
+        if len(source) > min(budget, MAX_SOURCE_BYTES):
+            continue
+        digest = (cfg.get("test_files") or {}).get(rel)
+        if digest and SHA256(source).hexdigest() != digest:
+            findings.append("test file %s is not the task's" % rel)
+            continue
+        budget -= len(source)
+        stem = os.path.basename(rel)[:-3]
+        names = _module_names(rel)
+        if not (stem.startswith("test") or stem.endswith("_test") or stem == "conftest"):
+            names.discard(stem)  # a helper's bare name (`utils`) may be the code's own module
+        files[rel] = [sorted(names), None, {}, source]
     return files, findings
 
 

@@ -82,7 +82,7 @@ _import_module = importlib.import_module
 _iscoroutinefunction = inspect.iscoroutinefunction
 _format_exception_only = traceback.format_exception_only
 _FunctionType, _ModuleType = types.FunctionType, types.ModuleType
-_exec = exec
+_exec, _compile = exec, compile
 MESSAGE_CHARS = 400
 KEY_BYTES = 32
 CO_OPTIMIZED = 1
@@ -163,16 +163,35 @@ class Pristine:
     def __init__(self, sources, cwd):
         self.cwd = cwd
         self.files = {}
-        """absolute path -> (module code, declared marks, qualified name -> code)"""
+        """absolute path -> (module code, declared marks, qualified name -> code); a test
+        module the named ones may import is compiled from its pristine bytes (read by the
+        parent) the first time it is imported, with no Python code the tests could patch
+        (``compile`` only: plain asserts)."""
+        self.lazy = {}
+        """absolute path -> the pristine bytes of a neighbouring test module not compiled yet"""
         self.names = {}
         self.codes = {}
-        for rel, (names, code, declared) in sources.items():
+        for rel, (names, code, declared, source) in sources.items():
             path = _join(cwd, rel)
-            quals = {}
-            self._walk(code, "", quals)
-            self.files[path] = (code, declared, quals)
+            if code is None:
+                self.lazy[path] = source
+                self.files[path] = None
+            else:
+                quals = {}
+                self._walk(code, "", quals)
+                self.files[path] = (code, declared, quals)
             for n in names:
                 self.names.setdefault(n, []).append(path)
+
+    def entry(self, path):
+        """(code, declared, quals) of a protected file, compiling a neighbour on first use."""
+        got = self.files.get(path)
+        if got is None and path in self.lazy:
+            code = _compile(self.lazy.pop(path), path, "exec", 0, True)
+            quals = {}
+            self._walk(code, "", quals)
+            got = self.files[path] = (code, {}, quals)
+        return got
 
     def _walk(self, code, prefix, quals):
         self.codes[id(code)] = code
@@ -201,7 +220,7 @@ class Pristine:
         return None
 
     def marks(self, path, qualname):
-        entry = self.files.get(path)
+        entry = self.entry(path)
         if entry is None:
             return set()
         parts, out = qualname.split("."), set(entry[1].get("", ()))
@@ -221,16 +240,16 @@ class Pristine:
                 break
         inner = layers[-1].__code__
         if self.pristine(inner):
-            entry = self.files.get(path)
+            entry = self.entry(path)
             want = entry[2].get(qualname) if entry else None
             name = qualname.rpartition(".")[2]
-            if want is None and entry is not None:
+            if want is None and entry is not None:  # set on the class at run time (a generated test)
                 same = [c for c in entry[2].values() if c.co_name == name]
                 if same and not any(c is inner for c in same):
                     return False, "%s runs the code of another test" % qualname, ""
             elif want is not None and want is not inner:
                 return False, "%s runs the code of another test (%s)" % (qualname, inner.co_name), ""
-        elif path in self.files or _abspath(inner.co_filename) in self.files:
+        elif _abspath(inner.co_filename) in self.files or qualname in (self.entry(path) or ((), (), {}))[2]:
             return False, "%s runs code that is not its protected source's" % qualname, ""
         elif self.in_workspace(inner.co_filename):
             return False, None, "its code is not in the task's test files (%s)" % os.path.relpath(_abspath(inner.co_filename), self.cwd)
@@ -456,7 +475,7 @@ class Loader:
     def exec_module(self, module):
         name = module.__name__
         vars(module).setdefault("__builtins__", builtins)  # the real ones (this code's are a private copy)
-        _exec(self.pristine.files[self.path][0], vars(module))
+        _exec(self.pristine.entry(self.path)[0], vars(module))
         if sys.modules.get(name) is not module:
             self.guard.tamper("sys.modules[%r] was replaced while the test module was imported" % name)
             sys.modules[name] = module
@@ -469,6 +488,35 @@ def _dumpable():
         ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: the tests' own process
     except Exception:
         pass
+
+
+def _forget_workspace_modules(cwd):
+    """The framework was imported with the workspace on no path, so a package it depends
+    on (pytest's ``iniconfig``, ``packaging``) came from the environment, even when the
+    repository under test *is* that package. The tests must import the repository's
+    code: such modules are dropped from ``sys.modules`` (the framework keeps its own
+    references), except the framework's own (``pytest``, ``pluggy``: never the workspace's)."""
+    from importlib.machinery import PathFinder
+
+    inside = [p for p in sys.path if p and (_abspath(p) == cwd or _abspath(p).startswith(cwd + _sep))]
+    stdlib = set(getattr(sys, "stdlib_module_names", ()))
+    lib = os.path.dirname(_abspath(os.__file__)) + _sep  # the standard library's folder (3.8/3.9 have no stdlib_module_names)
+    tops = {}
+    for name in list(sys.modules):
+        top = name.partition(".")[0]
+        if top in FRAMEWORK_TOPS or top in stdlib or top in sys.builtin_module_names or top.startswith("_"):
+            continue
+        where = getattr(sys.modules.get(name), "__file__", None) or ""
+        if where.startswith(lib) and "site-packages" not in where and "dist-packages" not in where:
+            continue
+        if top not in tops:
+            try:
+                spec = PathFinder.find_spec(top, inside)
+            except (ImportError, ValueError):
+                spec = None
+            tops[top] = spec is not None
+        if tops[top]:
+            del sys.modules[name]
 
 
 def child_main(cfg, cwd, events_fd, key_fd, token, sources):
@@ -486,6 +534,7 @@ def child_main(cfg, cwd, events_fd, key_fd, token, sources):
         sys.addaudithook(guard.audit)
         sys.meta_path.insert(0, finder)
         sys.path.insert(0, cwd)
+        _forget_workspace_modules(cwd)
         sys.argv = ["kiln-runner"]
         if cfg["framework"] == "pytest":
             run_pytest(cfg["ids"], cfg.get("args", []), ch, guard, witness, pristine, finder, cwd)

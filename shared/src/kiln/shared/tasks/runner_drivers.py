@@ -174,6 +174,11 @@ def run_pytest(ids, args, ch, guard, witness, pristine, finder, cwd):
             rec = witness.records[nodeid] = Record()
             fn = getattr(obj, "__func__", obj)
             path, qualname = _node(nodeid, cwd)
+            cls, name = getattr(pyfuncitem, "cls", None), qualname.rpartition(".")[2]
+            owner = next((k for k in cls.__mro__ if name in vars(k)), cls) if cls is not None else None
+            if owner is not None and owner is not cls and pristine.path_of(owner.__module__):
+                # inherited from a base class in another protected module: checked against its source
+                path, qualname = pristine.path_of(owner.__module__), owner.__qualname__ + "." + name
             pyfuncitem.obj = witness.wrap(obj, fn, path, qualname, rec)
             try:
                 yield
@@ -185,6 +190,9 @@ def run_pytest(ids, args, ch, guard, witness, pristine, finder, cwd):
             case = getattr(item, "_testcase", None)  # a unittest.TestCase under pytest
             if case is not None and hasattr(case, "_testMethodName"):
                 witness.install_unittest(case, item.nodeid)
+                witnessed = vars(case).get(case._testMethodName)
+                if witnessed is not None:  # pytest sets item.obj on the instance before it runs the case
+                    item.obj = witnessed
             yield
 
         def pytest_runtest_logreport(self, report):
