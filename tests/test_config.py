@@ -153,3 +153,15 @@ def test_the_old_flat_weight_keys_map_onto_the_transport_union(tmp_path, monkeyp
     monkeypatch.setenv("KILN_WEIGHTS__FETCH", "http")
     with pytest.warns(DeprecatedKeyWarning):
         assert load_config(RolloutConfig, exp).weights.transport == HttpTransport(kind="http")
+
+
+def test_rendered_toml_reads_back_any_string():
+    """The run's config.toml is what every service reads: a value holding a newline, quotes,
+    backslashes, control characters or DEL must read back as written."""
+    import tomllib
+
+    from kiln.shared.config import render_toml
+
+    nasty = 'line one\nline "two"\t\\ end\x01\x7f é'
+    data = {"a": nasty, "section": {"b": [nasty, "plain"], "c": 3, "d": True}}
+    assert tomllib.loads(render_toml(data)) == data

@@ -14,6 +14,7 @@ description that ``kiln config show`` and ``docs/configuration.md`` print.
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -504,8 +505,9 @@ def _toml_value(v: Any) -> str:
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if v is None:
         return '""'
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{s}"'
+    # A TOML basic string: JSON's escapes are all TOML escapes (a newline in a value once
+    # made every service fail to read the run's config.toml); DEL must be escaped too.
+    return json.dumps(str(v), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def describe(cls: type[BaseModel]) -> list[tuple[str, str, Any, str]]:
