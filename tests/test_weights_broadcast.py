@@ -111,3 +111,59 @@ async def test_weights_service_broadcasts_to_a_rollout_engine(nats_server, bus, 
             p.terminate()
         for p in (rollout, weights):
             p.wait(30)
+
+
+async def test_a_feed_falls_back_to_files_and_never_goes_backwards(tmp_path):
+    """The torch-broadcast feed: the first version comes as files; a later one the event
+    marks as broadcast whose tensors never arrive is read from its files after
+    ``fallback_s``; tensors that arrive afterwards for it, and any older event, change nothing."""
+    from opentelemetry import trace
+    from safetensors.torch import load_file
+
+    from kiln.shared.weights.transport import TorchBroadcastTransport, make_feed
+    from kiln.weights.store import VersionStore
+
+    from kiln.rollout.engine import TorchEngine
+    from test_weights import published
+
+    staged = checkpoints(tmp_path, 3)
+    store = VersionStore(tmp_path / "store", delta=False, keyframe_every=10)
+    stored = [store.put(p, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, p in enumerate(staged)]
+    served: list[tuple[int, str]] = []
+    t = TorchBroadcastTransport(kind="torch-broadcast", init_method="tcp://127.0.0.1:1", world_size=2, rank=1, fallback_s=0.2)
+    feed = make_feed(t, TorchEngine(), run_id="r", tracer=trace.get_tracer("t"), on_served=lambda v, via: served.append((v, via)),
+                     cache_dir=tmp_path / "cache", delta=False)  # fmt: skip
+    await feed.on_published(published(stored[0], v=0).model_copy(update={"broadcast": True}))  # the first: files anyway
+    assert served == [(0, "files")] and feed.tokenizer is not None
+    await feed.on_published(published(stored[1], v=1).model_copy(update={"broadcast": True}))
+    assert served == [(0, "files")], "a broadcast version waits for its tensors first"
+    assert await feed.wait_for(1, timeout=60), "its files were not read after fallback_s"
+    assert served == [(0, "files"), (1, "files")]
+    await feed.on_tensors(1, load_file(str(staged[1] / "model.safetensors")))  # late tensors of a served version
+    await feed.on_published(published(stored[0], v=0))
+    assert served == [(0, "files"), (1, "files")] and feed.version == 1
+    await feed.on_tensors(2, load_file(str(staged[2] / "model.safetensors")))
+    assert served[-1] == (2, "broadcast") and feed.version == 2
+
+
+def test_each_worker_gets_the_feed_its_transport_and_role_call_for(tmp_path):
+    """An eval worker reads files whatever the transport (it holds no place in a group);
+    vllm-nccl needs an engine that accepts in-place transfers."""
+    from opentelemetry import trace
+
+    from kiln.shared.weights.transport import FilesTransport, TorchBroadcastTransport, VllmNcclTransport, make_feed
+    from kiln.shared.weights.transport.files import FilesFeed
+    from kiln.shared.weights.transport.torch_broadcast import TorchBroadcastFeed
+
+    from kiln.rollout.engine import TorchEngine
+
+    group = {"init_method": "tcp://127.0.0.1:1", "world_size": 2}
+    kw = dict(run_id="r", tracer=trace.get_tracer("t"), on_served=lambda v, via: None, cache_dir=tmp_path, delta=False)
+    torch_t = TorchBroadcastTransport(kind="torch-broadcast", **group)
+    assert type(make_feed(torch_t, TorchEngine(), **kw)) is TorchBroadcastFeed
+    assert type(make_feed(torch_t, TorchEngine(), eval_worker=True, **kw)) is FilesFeed
+    assert type(make_feed(FilesTransport(), TorchEngine(), **kw)) is FilesFeed
+    vllm_t = VllmNcclTransport(kind="vllm-nccl", **group)
+    assert type(make_feed(vllm_t, TorchEngine(), eval_worker=True, **kw)) is FilesFeed
+    with pytest.raises(TypeError, match="in-place transfers"):
+        make_feed(vllm_t, TorchEngine(), **kw)
