@@ -18,6 +18,24 @@ from kiln.shared.embedded import NatsServer, PostgresServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+DEEP = 200
+"""Folders this deep in the temporary directories are removed by ``rm`` at the session's
+end: the attack and walk tests make trees 1,500 levels deep, and pytest's own clean-up
+of old temporary directories (``shutil.rmtree``, recursive) fails the whole session on them
+with a RecursionError (exit 1)."""
+
+
+def pytest_sessionfinish(session):
+    import subprocess
+
+    root = Path(tempfile.gettempdir()) / f"pytest-of-{os.environ.get('USER') or __import__('getpass').getuser()}"
+    base = getattr(session.config, "_tmp_path_factory", None)
+    if base is not None and base._basetemp is not None:
+        root = base._basetemp.parent if base._basetemp.name.startswith("pytest-") else base._basetemp
+    if root.is_dir():
+        subprocess.run(["find", str(root), "-mindepth", str(DEEP), "-maxdepth", str(DEEP), "-type", "d",
+                        "-prune", "-exec", "rm", "-rf", "{}", "+"], check=False, capture_output=True)
+
 
 @pytest.fixture
 def nats_server(tmp_path):
