@@ -171,7 +171,19 @@ def _host_path(svc: dict, container_path: str) -> Path | None:
 
 
 def _field_model(annotation) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    """The settings model a field holds; for a discriminated union of models, one model
+    whose fields are the union of its variants' (an env key may name any variant's)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    import typing
+
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    variants = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    if not variants or len(variants) != len(typing.get_args(annotation)):
+        return None
+    fields = {k: f for v in variants for k, f in v.model_fields.items()}
+    return type("AnyOf" + "".join(v.__name__ for v in variants), (), {"model_fields": fields, "__name__": "union"})
 
 
 def _resolve_env_key(key: str, classes: list[type[ServiceConfig]]) -> str | None:

@@ -413,7 +413,7 @@ def test_services_only_for_what_must_be_reachable(objects):
     assert url.hostname == "kiln-weights" and url.port == services["kiln-weights"]["spec"]["ports"][0]["port"]
     for name in ("rollout", "rollout-eval"):
         env = _env(objects, _pod(workloads[name])["spec"]["containers"][0])
-        assert env["KILN_WEIGHTS__FETCH"]["value"] == "http" and env["KILN_WEIGHTS__HTTP_TOKEN"]["secret"] == ("kiln-weights-http", "token")
+        assert env["KILN_WEIGHTS__TRANSPORT__KIND"]["value"] == "http" and env["KILN_WEIGHTS__HTTP_TOKEN"]["secret"] == ("kiln-weights-http", "token")
 
 
 def _selects(selector: dict, labels: dict) -> bool:
