@@ -218,11 +218,6 @@ def test_injected_instances_import_and_validate_without_env_specs(bugs, env_root
 
 
 @needs_bwrap
-@pytest.mark.xfail(strict=True, reason=(
-    "kiln's runner imports pytest with the workspace on no path, so pytest's `import iniconfig` loads the "
-    "environment's framework copy and the tests' own `import iniconfig` gets that cached module, not the "
-    "repository's: the runner must drop, in the test process, the modules the workspace provides (reported; "
-    "docs/tasks.md, 'Tests already in the repository')"))
 def test_every_injected_task_validates(bugs, env_root, tmp_path, capsys):
     out = tmp_path / "suite"
     assert import_rows(bugs, bugs["rows"], out) == 0
