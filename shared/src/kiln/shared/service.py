@@ -261,11 +261,13 @@ async def run_service(
             ctx.health_detail.pop("metrics_url", None)
             metrics_stop.set()
             await metrics_task
-        if bus:
-            await bus.close()
-        tel.shutdown()
-        if signals is not None:
-            signals.close()
+        try:
+            if bus:
+                await bus.close()
+            tel.shutdown()
+        finally:  # a signal during the drain above still only sets ``stop``
+            if signals is not None:
+                signals.close()
 
 
 def metrics_app(registry, token: str):
