@@ -19,7 +19,6 @@ from kiln.shared.config import NatsSettings, render_toml
 from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
 
-
 STOP_GRACE_S = 30.0
 """How long children get, all together, to exit after SIGTERM before they are SIGKILLed."""
 
@@ -53,8 +52,16 @@ async def envpool_node(suite: str, probe_task: str, name: str, **envpool):
     tmp = Path(tempfile.mkdtemp(prefix=f"kiln-bench-{name}-"))
     nats = NatsServer(tmp / "nats").start()
     exp = tmp / "exp.toml"
-    exp.write_text(render_toml({"run": {"id": "bench", "dir": str(tmp / "run")}, "nats": {"url": nats.url},
-                                "tasks": {"suite": suite}, "envpool": {"backend": "bwrap", **envpool}}))  # fmt: skip
+    exp.write_text(
+        render_toml(
+            {
+                "run": {"id": "bench", "dir": str(tmp / "run")},
+                "nats": {"url": nats.url},
+                "tasks": {"suite": suite},
+                "envpool": {"backend": "bwrap", **envpool},
+            }
+        )
+    )
     node = subprocess.Popen([sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", name])
     bus = None
     try:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from sqlalchemy import create_engine, text
 
-from kiln.learner.sft import demonstration, encode
 from kiln.learner.config import LearnerConfig
+from kiln.learner.sft import demonstration, encode
 from kiln.shared.config import load_config
 from kiln.shared.embedded import PostgresServer
 from kiln.shared.model.checkpoint import load_checkpoint
@@ -55,7 +55,9 @@ def teacher_forced(folder: Path, tasks, tools, key: str) -> tuple[list, list]:
         p = torch.stack([probs[i - 1, ids[i]] for i in pos])
         i = pos[int(p.argmin())]
         top = int(probs[i - 1].argmax())
-        weakest.append((t.id, float(probs[i - 1, ids[i]]), top == ids[i], tok.id_to_token(ids[i]), tok.id_to_token(top)))
+        weakest.append(
+            (t.id, float(probs[i - 1, ids[i]]), top == ids[i], tok.id_to_token(ids[i]), tok.id_to_token(top))
+        )
         value = tok.encode(str(t.metadata.get(key, "")), add_special_tokens=False).ids[:1]
         for i in (i for i in pos if value and ids[i] == value[0]):
             top = int(probs[i - 1].argmax())
@@ -67,7 +69,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="the run's folder (<run.root>/<run id>)")
     ap.add_argument("--by", default="constant", help="task metadata key to break results down by")
-    ap.add_argument("--versions", type=int, nargs="*", default=[0], help="versions to teacher-force the demonstrations through")
+    ap.add_argument(
+        "--versions", type=int, nargs="*", default=[0], help="versions to teacher-force the demonstrations through"
+    )
     args = ap.parse_args()
     cfg = load_config(LearnerConfig, args.run / "config.toml")
     suite = load_suite(cfg.tasks.suite)
@@ -76,8 +80,16 @@ def main() -> None:
     try:
         eng = create_engine(pg.url.replace("postgresql://", "postgresql+psycopg://"))
         with eng.connect() as c:
-            train = c.execute(text("select group_id, passed, task_id from trajectories where run_id = :r and purpose = 'train' and infra_error is null"), {"r": cfg.run.id}).all()  # fmt: skip
-            evals = c.execute(text("select task_id, passed, eval_id from trajectories where run_id = :r and purpose = 'eval'"), {"r": cfg.run.id}).all()  # fmt: skip
+            train = c.execute(
+                text(
+                    "select group_id, passed, task_id from trajectories where run_id = :r and purpose = 'train' and infra_error is null"
+                ),
+                {"r": cfg.run.id},
+            ).all()
+            evals = c.execute(
+                text("select task_id, passed, eval_id from trajectories where run_id = :r and purpose = 'eval'"),
+                {"r": cfg.run.id},
+            ).all()
     finally:
         pg.stop()
     groups: dict[str, list[bool]] = collections.defaultdict(list)
@@ -96,7 +108,11 @@ def main() -> None:
     print(f"\ntraining samples passing, by {args.by}:")
     print(f"| {args.by} | " + " | ".join(sorted(sampled)) + " |")
     print("|---|" + "---|" * len(sampled))
-    print("| passing | " + " | ".join(f"{sampled[k][0] / sampled[k][1]:.0%} of {sampled[k][1]}" for k in sorted(sampled)) + " |")
+    print(
+        "| passing | "
+        + " | ".join(f"{sampled[k][0] / sampled[k][1]:.0%} of {sampled[k][1]}" for k in sorted(sampled))
+        + " |"
+    )
     per: dict[str, dict[int, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
     for tid, passed, eid in evals:
         v = int(eid.rsplit("-v", 1)[1])
@@ -115,13 +131,23 @@ def main() -> None:
         agg: dict[str, list] = collections.defaultdict(list)
         for tid, p, ok, want, top in weakest:
             agg[key(tid)].append((p, ok, f"{want} / {top}"))
-        _table(f"version {v}: the least likely token of each held-out demonstration, by {args.by}", args.by,
-               "tasks", "most common token / argmax there", agg)  # fmt: skip
+        _table(
+            f"version {v}: the least likely token of each held-out demonstration, by {args.by}",
+            args.by,
+            "tasks",
+            "most common token / argmax there",
+            agg,
+        )
         agg = collections.defaultdict(list)
         for tid, p, ok, top in at_key:
             agg[key(tid)].append((p, ok, top))
-        _table(f"version {v}: the demonstration positions that write the task's {args.by}", args.by,
-               "positions", "argmax there", agg)  # fmt: skip
+        _table(
+            f"version {v}: the demonstration positions that write the task's {args.by}",
+            args.by,
+            "positions",
+            "argmax there",
+            agg,
+        )
 
 
 def _table(title: str, by: str, unit: str, what: str, agg: dict[str, list]) -> None:
@@ -131,8 +157,11 @@ def _table(title: str, by: str, unit: str, what: str, agg: dict[str, list]) -> N
     for k in sorted(agg):
         a = agg[k]
         common = collections.Counter(x[2] for x in a).most_common(2)
-        print(f"| {k} | {len(a)} | {sum(x[0] for x in a) / len(a):.2f} | {sum(x[1] for x in a)}/{len(a)} | "
-              + ", ".join(f"{t} ({n})" for t, n in common) + " |")  # fmt: skip
+        print(
+            f"| {k} | {len(a)} | {sum(x[0] for x in a) / len(a):.2f} | {sum(x[1] for x in a)}/{len(a)} | "
+            + ", ".join(f"{t} ({n})" for t, n in common)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,8 +47,8 @@ from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
 from kiln.shared.config import NatsSettings, render_toml
 from kiln.shared.embedded import NatsServer
-from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.environments import load_environments
+from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
 
 ENV_TASK = "env-task"
@@ -57,7 +56,7 @@ TEXT_TASK = "fix-calc"
 # a few changed files before a fork: two repository files edited, one deleted, three new
 CHANGES = (
     "set -e; n=0; for f in $(find . -name '*.py' -type f | sort | head -50); do [ -w \"$f\" ] || continue; "
-    "n=$((n+1)); if [ $n -le 2 ]; then echo '# changed' >> \"$f\"; elif [ $n -eq 3 ]; then rm \"$f\"; else break; fi; done; "
+    'n=$((n+1)); if [ $n -le 2 ]; then echo \'# changed\' >> "$f"; elif [ $n -eq 3 ]; then rm "$f"; else break; fi; done; '
     "mkdir -p notes; echo a > notes/a.txt; echo b > notes/b.txt; echo c > new.txt"
 )
 
@@ -92,8 +91,9 @@ def mounts() -> int:
 
 
 def du_mib(*paths: Path, one_fs: bool = False) -> float:
-    out = subprocess.run(["du", "-sc", "-B1", *(["-x"] if one_fs else []), *map(str, paths)],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["du", "-sc", "-B1", *(["-x"] if one_fs else []), *map(str, paths)], capture_output=True, text=True, check=True
+    ).stdout
     return int(out.splitlines()[-1].split()[0]) / 2**20
 
 
@@ -114,11 +114,19 @@ def write_suite(folder: Path, env: dict) -> tuple[Path, Path]:
     """A suite of the built-in text task and one task over ``env``; the environment also
     as an ``[[environments]]`` file for ``kiln env build``."""
     text = load_suite("builtin").get(TEXT_TASK)
-    task = Task(id=ENV_TASK, problem_statement="benchmark", files={"KILN_TASK.md": "a task's own file\n"},
-                test_command="true", fail_to_pass=["x"], environment=env["name"])  # fmt: skip
+    task = Task(
+        id=ENV_TASK,
+        problem_statement="benchmark",
+        files={"KILN_TASK.md": "a task's own file\n"},
+        test_command="true",
+        fail_to_pass=["x"],
+        environment=env["name"],
+    )
     (folder / "tasks.jsonl").write_text(text.model_dump_json() + "\n" + task.model_dump_json() + "\n")
     (folder / "suite.toml").write_text(f'tasks = "tasks.jsonl"\nenvironments = [{inline(env)}]\n')
-    (folder / "environments.toml").write_text("[[environments]]\n" + "".join(f"{k} = {inline(v)}\n" for k, v in env.items()))
+    (folder / "environments.toml").write_text(
+        "[[environments]]\n" + "".join(f"{k} = {inline(v)}\n" for k, v in env.items())
+    )
     return folder / "suite.toml", folder / "environments.toml"
 
 
@@ -142,31 +150,62 @@ async def main(a) -> None:
     # on disk, not tmpfs, like envpool.environments_root; fresh: the first create builds
     env_root = Path(a.env_root) if a.env_root else Path(tempfile.mkdtemp(prefix="kiln-bench-envroot-", dir="/var/tmp"))
     if a.small:
-        env = {"name": "bench-small", "repository": {"kind": "dir", "path": str(small_repository(tmp))},
-               "python": {"interpreter": a.interpreter, "packages": a.packages or ["iniconfig"]}}  # fmt: skip
+        env = {
+            "name": "bench-small",
+            "repository": {"kind": "dir", "path": str(small_repository(tmp))},
+            "python": {"interpreter": a.interpreter, "packages": a.packages or ["iniconfig"]},
+        }
         module = a.import_ or "iniconfig"
     else:
         name, version = a.sdist.split("==")
-        env = {"name": f"bench-{name}", "repository": {"kind": "sdist", "name": name, "version": version},
-               "python": {"interpreter": a.interpreter, "packages": a.packages or ["numpy", "pandas==2.2.3", "scipy", "pytest"]}}  # fmt: skip
+        env = {
+            "name": f"bench-{name}",
+            "repository": {"kind": "sdist", "name": name, "version": version},
+            "python": {
+                "interpreter": a.interpreter,
+                "packages": a.packages or ["numpy", "pandas==2.2.3", "scipy", "pytest"],
+            },
+        }
         module = a.import_ or "numpy"
     suite, env_file = write_suite(tmp, env)
     (spec,) = load_environments(env_file)
     nats = NatsServer(tmp / "nats").start()
     exp = tmp / "exp.toml"
-    exp.write_text(render_toml({
-        "nats": {"url": nats.url},
-        "telemetry": {"log_format": "text", "log_level": "INFO"},  # INFO: the cache logs the build time
-        "tasks": {"suite": str(suite)},
-        "envpool": {"node_id": "bench", "backend": "bwrap", "max_sandboxes": 2 * a.idle + 64, "warm_per_task": a.warm,
-                    "semantic_mode": "bm25", "reap_interval_s": 0.2, "http_port": -1, "environments_root": str(env_root)},
-    }))  # fmt: skip
+    exp.write_text(
+        render_toml(
+            {
+                "nats": {"url": nats.url},
+                "telemetry": {"log_format": "text", "log_level": "INFO"},  # INFO: the cache logs the build time
+                "tasks": {"suite": str(suite)},
+                "envpool": {
+                    "node_id": "bench",
+                    "backend": "bwrap",
+                    "max_sandboxes": 2 * a.idle + 64,
+                    "warm_per_task": a.warm,
+                    "semantic_mode": "bm25",
+                    "reap_interval_s": 0.2,
+                    "http_port": -1,
+                    "environments_root": str(env_root),
+                },
+            }
+        )
+    )
     log_path = tmp / "node.log"
     log = open(log_path, "w")
     node = subprocess.Popen(
-        [sys.executable, *os.environ.get("KILN_BENCH_NODE_PREFIX", "").split(), "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "bench"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            *os.environ.get("KILN_BENCH_NODE_PREFIX", "").split(),
+            "-m",
+            "kiln.envpool.main",
+            "--config",
+            str(exp),
+            "--instance",
+            "bench",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
     pool = EnvPoolClient(bus)
     rows: list[str] = []
@@ -176,7 +215,7 @@ async def main(a) -> None:
             try:
                 stats = await pool.stats("bench")
                 break
-            except (RemoteError, asyncio.TimeoutError, nats_errors.TimeoutError, nats_errors.NoRespondersError):
+            except (TimeoutError, RemoteError, nats_errors.TimeoutError, nats_errors.NoRespondersError):
                 if attempt == 299 or node.poll() is not None:
                     raise RuntimeError(f"the node did not start:\n{log_path.read_text()[-3000:]}") from None
                 await asyncio.sleep(0.1)
@@ -184,14 +223,19 @@ async def main(a) -> None:
 
         # -- build: cold through the node, then cached --------------------------------------
         t = time.perf_counter()
-        made = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id=ENV_TASK), c.SandboxCreated, timeout=a.build_timeout)
+        made = await bus.request(
+            c.ENVPOOL_CREATE, c.SandboxCreate(task_id=ENV_TASK), c.SandboxCreated, timeout=a.build_timeout
+        )
         cold = time.perf_counter() - t
         first = made.sandbox
         built_s = re.findall(r"built in ([\d.]+)s", log_path.read_text())
         stored = len(re.findall(r"stored layer", log_path.read_text()))
         t = time.perf_counter()
-        cli = subprocess.run([str(Path(sys.executable).parent / "kiln"), "env", "build", str(env_file), "--root", str(env_root)],
-                             capture_output=True, text=True)  # fmt: skip
+        cli = subprocess.run(
+            [str(Path(sys.executable).parent / "kiln"), "env", "build", str(env_file), "--root", str(env_root)],
+            capture_output=True,
+            text=True,
+        )
         cli_s = time.perf_counter() - t
         assert cli.returncode == 0 and cli.stdout.rstrip().endswith("cached"), (cli.stdout, cli.stderr)
         cache = EnvironmentCache(env_root, 1 << 50)
@@ -207,9 +251,13 @@ async def main(a) -> None:
             f"uv cache {mib(du_mib(env_root / 'uv-cache'))} MiB (the venv's files are hard links into it)"
         )
         build_note = f"built in {built_s[0]} s" if built_s else "build time not logged"
-        rows.append(f"| cold build: first create on a fresh environments root (node; {build_note}, "
-                    f"then {stored} layer(s) stored in NATS) | {cold:.1f} s | | |")  # fmt: skip
-        rows.append(f"| cached: `kiln env build` again on the same root (a new process: imports included) | {cli_s:.2f} s | | |")
+        rows.append(
+            f"| cold build: first create on a fresh environments root (node; {build_note}, "
+            f"then {stored} layer(s) stored in NATS) | {cold:.1f} s | | |"
+        )
+        rows.append(
+            f"| cached: `kiln env build` again on the same root (a new process: imports included) | {cli_s:.2f} s | | |"
+        )
         rows.append(f"| cached: `EnvironmentCache.get` again (in process) | {get_s * 1e3:.1f} ms | | |")
 
         # -- lifecycles ------------------------------------------------------------------------
@@ -251,7 +299,9 @@ async def main(a) -> None:
             fork_p50[task] = pct(xs, 0.5)
             what = f"{len(changed.changed)} changed, {len(changed.deleted)} deleted file(s)"
             kind = "environment" if task == ENV_TASK else "text"
-            rows.append(f"| fork of {'an' if kind[0] == 'e' else 'a'} {kind} sandbox ({what}) | {' | '.join(ms(xs))} | {a.n} |")
+            rows.append(
+                f"| fork of {'an' if kind[0] == 'e' else 'a'} {kind} sandbox ({what}) | {' | '.join(ms(xs))} | {a.n} |"
+            )
             await pool.destroy(parent)
 
         # -- the overlay view alone, in this process --------------------------------------
@@ -279,7 +329,9 @@ async def main(a) -> None:
             ys.append(time.perf_counter() - t)
         idmaps.close()
         shutil.rmtree(views, ignore_errors=True)
-        rows.append(f"| overlay view mount ({len(lowers)} layers, {sum(la.owned for la in lowers)} idmapped), in process | {' | '.join(ms(xs))} | {a.n} |")
+        rows.append(
+            f"| overlay view mount ({len(lowers)} layers, {sum(la.owned for la in lowers)} idmapped), in process | {' | '.join(ms(xs))} | {a.n} |"
+        )
         rows.append(f"| overlay view unmount, in process | {' | '.join(ms(ys))} | {a.n} |")
         notes.append(f"the first idmapped mount of a uid also makes its user namespace: {first_ns * 1e3:.1f} ms once")
 
@@ -304,8 +356,15 @@ async def main(a) -> None:
             took = time.perf_counter() - t
             await asyncio.sleep(0.5)
             m1, n1, r1, d1 = meminfo(), mounts(), rss_mib(node.pid), du_mib(node_root, node_root / "ws", one_fs=True)
-            idle[task] = (d1, r1, r1 - r0, m1["Slab"] - m0["Slab"], m1["Shmem"] - m0["Shmem"], n1 - n0,
-                          (m0["MemAvailable"] - m1["MemAvailable"]))  # fmt: skip
+            idle[task] = (
+                d1,
+                r1,
+                r1 - r0,
+                m1["Slab"] - m0["Slab"],
+                m1["Shmem"] - m0["Shmem"],
+                n1 - n0,
+                (m0["MemAvailable"] - m1["MemAvailable"]),
+            )
             kind = "environment" if task == ENV_TASK else "text"
             notes.append(
                 f"{len(held)} idle leased {kind} sandboxes (`{task}`) created in {took:.1f} s: node folder {mib(d1)} MiB "
@@ -332,13 +391,19 @@ async def main(a) -> None:
     print("\n".join(rows))
     print()
     print("| target | measured | met |\n|---|---|---|")
-    print(f"| create -> `true` -> destroy, environment within 1.5x of text (p50) | {ratio:.2f}x | {'yes' if ratio <= 1.5 else 'no'} |")
+    print(
+        f"| create -> `true` -> destroy, environment within 1.5x of text (p50) | {ratio:.2f}x | {'yes' if ratio <= 1.5 else 'no'} |"
+    )
     f = fork_p50[ENV_TASK] * 1e3
     print(f"| fork of an environment sandbox, p50 under 20 ms | {f:.2f} ms | {'yes' if f < 20 else 'no'} |")
-    print(f"| {a.idle} idle environment sandboxes: node folder under 1 GB | {mib(d1)} MiB | {'yes' if d1 * 2**20 < 1e9 else 'no'} |")
-    print(f"| {a.idle} idle environment sandboxes: memory within 24 GiB (docs/benchmarks.md, env-pool) | "
-          f"env-pool RSS {r1:.0f} MiB ({dr:+.0f}), slab {slab:+,.0f} MiB, tmpfs {shmem:+,.0f} MiB | "
-          f"{'yes' if (r1 + slab + shmem) < 24 * 1024 else 'no'} |")  # fmt: skip
+    print(
+        f"| {a.idle} idle environment sandboxes: node folder under 1 GB | {mib(d1)} MiB | {'yes' if d1 * 2**20 < 1e9 else 'no'} |"
+    )
+    print(
+        f"| {a.idle} idle environment sandboxes: memory within 24 GiB (docs/benchmarks.md, env-pool) | "
+        f"env-pool RSS {r1:.0f} MiB ({dr:+.0f}), slab {slab:+,.0f} MiB, tmpfs {shmem:+,.0f} MiB | "
+        f"{'yes' if (r1 + slab + shmem) < 24 * 1024 else 'no'} |"
+    )
     print()
     print("\n".join(notes))
     print(f"node folder on {shm}; mounts per environment sandbox: {nm / max(a.idle, 1):.1f}")
@@ -351,8 +416,14 @@ if __name__ == "__main__":
     ap.add_argument("--warm", type=int, default=4, help="envpool.warm_per_task (bench/envpool.py's 4)")
     ap.add_argument("--small", action="store_true", help="a few-file dir repository and iniconfig (the smoke test)")
     ap.add_argument("--sdist", default="pandas==2.2.3", help="the repository: NAME==VERSION of an sdist on the index")
-    ap.add_argument("--packages", nargs="*", help="the virtualenv's packages (default: numpy pandas==2.2.3 scipy pytest; --small: iniconfig)")
-    ap.add_argument("--import", dest="import_", help="module the python row imports (default numpy; --small: iniconfig)")
+    ap.add_argument(
+        "--packages",
+        nargs="*",
+        help="the virtualenv's packages (default: numpy pandas==2.2.3 scipy pytest; --small: iniconfig)",
+    )
+    ap.add_argument(
+        "--import", dest="import_", help="module the python row imports (default numpy; --small: iniconfig)"
+    )
     ap.add_argument("--interpreter", default="python3.11")
     ap.add_argument("--env-root", help="environments root to use (default: a fresh one under /var/tmp, removed after)")
     ap.add_argument("--build-timeout", type=float, default=1800.0)

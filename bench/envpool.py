@@ -27,18 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import STOP_GRACE_S, stop_children
 from nats import errors as nats_errors
 
+from kiln.envpool.config import EnvPoolConfig
+from kiln.envpool.sandbox import Identity, Limits
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
 from kiln.shared.config import NatsSettings, load_config, render_toml
 from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
-
-from kiln.envpool.config import EnvPoolConfig
-from kiln.envpool.sandbox import Identity, Limits
-
-from common import STOP_GRACE_S, stop_children
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -82,23 +80,53 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-envpool-"))
     nats = NatsServer(tmp / "nats").start()
     exp = tmp / "exp.toml"
-    exp.write_text(render_toml({
-        "nats": {"url": nats.url},
-        "telemetry": {"log_format": "text", "log_level": "WARNING"},
-        "envpool": {"node_id": "bench", "max_sandboxes": idle + 64, "warm_per_task": 4, "semantic_mode": "bm25",
-                    "reap_interval_s": 0.2, "http_port": -1},
-    }))  # fmt: skip
+    exp.write_text(
+        render_toml(
+            {
+                "nats": {"url": nats.url},
+                "telemetry": {"log_format": "text", "log_level": "WARNING"},
+                "envpool": {
+                    "node_id": "bench",
+                    "max_sandboxes": idle + 64,
+                    "warm_per_task": 4,
+                    "semantic_mode": "bm25",
+                    "reap_interval_s": 0.2,
+                    "http_port": -1,
+                },
+            }
+        )
+    )
     cfg = load_config(EnvPoolConfig, exp)
     # Nodes run as their own processes, as deployed; this process is only their client.
     # Node "bench" serves every per-node measurement; extra nodes share creates (queue group).
-    node = subprocess.Popen([sys.executable, *os.environ.get("KILN_BENCH_NODE_PREFIX", "").split(), "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "bench"])
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            *os.environ.get("KILN_BENCH_NODE_PREFIX", "").split(),
+            "-m",
+            "kiln.envpool.main",
+            "--config",
+            str(exp),
+            "--instance",
+            "bench",
+        ]
+    )
     extra = [
         subprocess.Popen(
-            [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", f"bench{i}",
-             "--set", f'envpool.node_id="bench{i}"'],
+            [
+                sys.executable,
+                "-m",
+                "kiln.envpool.main",
+                "--config",
+                str(exp),
+                "--instance",
+                f"bench{i}",
+                "--set",
+                f'envpool.node_id="bench{i}"',
+            ],
         )
         for i in range(1, nodes)
-    ]  # fmt: skip
+    ]
     children = {"env-pool node bench": node, **{f"env-pool node bench{i}": p for i, p in enumerate(extra, 1)}}
     rows: list[str] = []
     notes: list[str] = []  # the lines under the table, as they are measured
@@ -112,7 +140,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
                 try:
                     await pool.stats(name)
                     break
-                except (RemoteError, asyncio.TimeoutError, nats_errors.TimeoutError, nats_errors.NoRespondersError):
+                except (TimeoutError, RemoteError, nats_errors.TimeoutError, nats_errors.NoRespondersError):
                     if attempt == 299:
                         raise
                     await asyncio.sleep(0.1)
@@ -126,7 +154,9 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
 
         # (b) bare bwrap with the sandbox's own arguments
         # Each node process works in its own folder (``<node id>-<pid>``): ask each where.
-        roots = [Path((await pool.stats(name)).workspace_root) for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]]
+        roots = [
+            Path((await pool.stats(name)).workspace_root) for name in ["bench"] + [f"bench{i}" for i in range(1, nodes)]
+        ]
         ref = await pool.create("fix-calc")
         reply = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="fix-calc"), c.SandboxCreated)
         from kiln.envpool import bwrap as bw
@@ -256,6 +286,8 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--idle", type=int, default=1000)
     ap.add_argument("--nodes", type=int, default=1, help="env-pool processes sharing the creates")
-    ap.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, help="seconds the nodes get to exit after SIGTERM")
+    ap.add_argument(
+        "--stop-grace", type=float, default=STOP_GRACE_S, help="seconds the nodes get to exit after SIGTERM"
+    )
     a = ap.parse_args()
     sys.exit(asyncio.run(main(a.n, a.concurrency, a.idle, a.nodes, a.stop_grace)))

@@ -27,14 +27,8 @@ import json
 import statistics
 import time
 
+from common import envpool_node
 from opentelemetry import trace
-
-from kiln.shared import chat
-from kiln.shared import contracts as c
-from kiln.shared.http import serve_http
-from kiln.shared.model.tokenizer import train_tokenizer
-from kiln.shared.tasks import load_suite
-from kiln.shared.tools import tool_schemas
 
 from kiln.learner.policy import tokenizer_corpus
 from kiln.rollout.agent import EpisodeSpec, run_episode
@@ -42,8 +36,12 @@ from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
-
-from common import envpool_node
+from kiln.shared import chat
+from kiln.shared import contracts as c
+from kiln.shared.http import serve_http
+from kiln.shared.model.tokenizer import train_tokenizer
+from kiln.shared.tasks import load_suite
+from kiln.shared.tools import tool_schemas
 
 SUITE = load_suite("builtin")
 TOOLS = tool_schemas()
@@ -71,8 +69,11 @@ class PlayedEngine(InferenceEngine):
     async def generate(self, prompt_ids, max_new_tokens, stop_ids, temperature, seed) -> Generation:
         prompt = TOK.decode(prompt_ids, skip_special_tokens=False)
         task = next(t for t in SUITE.tasks if t.problem_statement[:60] in prompt)
-        turns = [call("read_file", path=sorted(task.solution)[0]),
-                 "".join(call("write_file", path=p, content=t) for p, t in sorted(task.solution.items())), "Done."]  # fmt: skip
+        turns = [
+            call("read_file", path=sorted(task.solution)[0]),
+            "".join(call("write_file", path=p, content=t) for p, t in sorted(task.solution.items())),
+            "Done.",
+        ]
         k = prompt.count("<|im_start|>assistant") - 1  # the turns already taken
         ids = TOK.encode(turns[min(k, 2)] + chat.EOS, add_special_tokens=False).ids[:max_new_tokens]
         await asyncio.sleep(self.per_token_s * len(ids))
@@ -89,9 +90,18 @@ async def thin_harness(task, client, sandbox):
         msgs.append(m.model_dump(exclude_none=True))
         if not m.tool_calls:
             return
-        calls = [c.ToolCall(id=tc.id, name=tc.function.name, arguments=json.loads(tc.function.arguments)) for tc in m.tool_calls]
+        calls = [
+            c.ToolCall(id=tc.id, name=tc.function.name, arguments=json.loads(tc.function.arguments))
+            for tc in m.tool_calls
+        ]
         for tc, res in zip(m.tool_calls, await sandbox.tools(calls)):
-            msgs.append({"role": "tool", "tool_call_id": tc.id, "content": json.dumps({"error": res.error}) if res.error else res.output})
+            msgs.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": tc.id,
+                    "content": json.dumps({"error": res.error}) if res.error else res.output,
+                }
+            )
 
 
 async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int) -> None:
@@ -99,22 +109,34 @@ async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int
     stop = asyncio.Event()
     async with envpool_node("builtin", tasks[0].id, "harness", max_sandboxes=256) as (_bus, pool):
         engine = PlayedEngine(per_token_ms / 1000)
-        settings = RolloutSettings(max_turns=4, max_new_tokens=256, max_total_tokens=8192,
-                                   harness=HarnessSettings(kind="python", entry="__main__:thin_harness"))  # fmt: skip
+        settings = RolloutSettings(
+            max_turns=4,
+            max_new_tokens=256,
+            max_total_tokens=8192,
+            harness=HarnessSettings(kind="python", entry="__main__:thin_harness"),
+        )
         endpoint = Endpoint("kiln", pool)
         url, server = await serve_http(endpoint.app, "127.0.0.1", 0, "", stop)
 
         def spec(i: int) -> EpisodeSpec:
             task = tasks[i % len(tasks)]
-            req = c.RolloutRequest(run_id="bench", group_id=f"g{i}", task_id=task.id, n_samples=1, dispatch_version=0,
-                                   deadline=time.time() + 600)  # fmt: skip
+            req = c.RolloutRequest(
+                run_id="bench",
+                group_id=f"g{i}",
+                task_id=task.id,
+                n_samples=1,
+                dispatch_version=0,
+                deadline=time.time() + 600,
+            )
             return EpisodeSpec(request=req, sample_index=0, task=task, worker_id="bench", seed=i, temperature=1.0)
 
         async def builtin(i: int) -> c.Trajectory:
             return await run_episode(spec(i), engine, TOK, pool, settings, trace.get_tracer("bench"))
 
         async def harness(i: int) -> c.Trajectory:
-            return await run_harness_episode(spec(i), engine, TOK, pool, settings, endpoint, url, lambda: asyncio.sleep(0))
+            return await run_harness_episode(
+                spec(i), engine, TOK, pool, settings, endpoint, url, lambda: asyncio.sleep(0)
+            )
 
         async def measure(run) -> tuple[float, int]:
             todo = list(range(episodes))
@@ -125,7 +147,11 @@ async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int
                 nonlocal tokens
                 while todo:
                     t = await run(todo.pop())
-                    assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 3, (t.finish_reason, t.infra_error, t.harness_log)
+                    assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 3, (
+                        t.finish_reason,
+                        t.infra_error,
+                        t.harness_log,
+                    )
                     assert t.final_diff.changed == {p: x for p, x in SUITE.get(t.task_id).solution.items()}
                     tokens += sum(t.loss_mask)
                     await pool.destroy(t.sandbox)
@@ -144,7 +170,9 @@ async def main(episodes: int, concurrency: int, per_token_ms: float, rounds: int
         await endpoint.close()
         stop.set()
         await server
-    print(f"| path ({episodes} episodes of 3 turns, {concurrency} at a time, {per_token_ms:g} ms/token) | generated tokens/s (median of {rounds}) | tokens per round |")
+    print(
+        f"| path ({episodes} episodes of 3 turns, {concurrency} at a time, {per_token_ms:g} ms/token) | generated tokens/s (median of {rounds}) | tokens per round |"
+    )
     print("|---|---|---|")
     print(f"| (a) kiln's built-in loop | {rate_a:.0f} | {n_a} |")
     print(f"| (b) thin harness through the endpoint | {rate_b:.0f} | {n_b} |")

@@ -44,13 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(precision: str):
+    from kiln.learner.config import LearnerConfig
     from kiln.shared.config import load_config
     from kiln.shared.model import MoEConfig, MoEForCausalLM
 
-    from kiln.learner.config import LearnerConfig
-
     # The architecture fields of the settings (not where a checkpoint would come from).
-    arch = load_config(LearnerConfig, ROOT / "configs" / "tiny.toml").model.model_dump(exclude={"init_from", "cache_dir"})
+    arch = load_config(LearnerConfig, ROOT / "configs" / "tiny.toml").model.model_dump(
+        exclude={"init_from", "cache_dir"}
+    )
     model = MoEForCausalLM(MoEConfig(**arch)).init_weights(0)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -64,10 +65,12 @@ def build(precision: str):
 def batch(rows: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
-        "ids": torch.randint(1, vocab, (rows, seq), generator=g), "attn": torch.ones(rows, seq, dtype=torch.long),
-        "mask": torch.ones(rows, seq), "behaviour": -torch.rand(rows, seq, generator=g) * 6,
+        "ids": torch.randint(1, vocab, (rows, seq), generator=g),
+        "attn": torch.ones(rows, seq, dtype=torch.long),
+        "mask": torch.ones(rows, seq),
+        "behaviour": -torch.rand(rows, seq, generator=g) * 6,
         "adv": torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -0.5),
-    }  # fmt: skip
+    }
 
 
 def cell(precision: str, dp: int, ep: int, steps: int, rows: int, seq: int) -> float:
@@ -85,7 +88,12 @@ def cell(precision: str, dp: int, ep: int, steps: int, rows: int, seq: int) -> f
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     b = batch(rows, seq, model.config.vocab_size)
     shard = {k: v[rank::world] for k, v in b.items()}
-    kw = {"global_tokens": float(b["mask"].sum()), "loss": LossConfig(clip_eps=0.2), "temperature": 1.0, "max_grad_norm": 1.0}
+    kw = {
+        "global_tokens": float(b["mask"].sum()),
+        "loss": LossConfig(clip_eps=0.2),
+        "temperature": 1.0,
+        "max_grad_norm": 1.0,
+    }
     policy_gradient_step(model, opt, shard, **kw)  # warm-up
     if world > 1:
         dist.barrier()
@@ -114,7 +122,12 @@ def memory_cell(rows: int, seq: int, steps: int, checkpointing: bool) -> dict:
     model.activation_checkpointing = checkpointing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     b = batch(rows, seq, model.config.vocab_size)
-    kw = {"global_tokens": float(b["mask"].sum()), "loss": LossConfig(clip_eps=0.2), "temperature": 1.0, "max_grad_norm": 1.0}
+    kw = {
+        "global_tokens": float(b["mask"].sum()),
+        "loss": LossConfig(clip_eps=0.2),
+        "temperature": 1.0,
+        "max_grad_norm": 1.0,
+    }
     page = os.sysconf("SC_PAGE_SIZE")
     before = int(Path("/proc/self/statm").read_text().split()[1]) * page  # resident now
     times = []
@@ -125,7 +138,11 @@ def memory_cell(rows: int, seq: int, steps: int, checkpointing: bool) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     import kiln.shared.model.moe as moe
 
-    return {"peak_mib": (peak - before) / 2**20, "seconds": statistics.median(times[1:] or times), "model": moe.__file__}
+    return {
+        "peak_mib": (peak - before) / 2**20,
+        "seconds": statistics.median(times[1:] or times),
+        "model": moe.__file__,
+    }
 
 
 def memory_table(a) -> None:
@@ -155,8 +172,10 @@ def memory_table(a) -> None:
                     raise SystemExit(f"--before {tree}: the model came from {got['model']} (not a kiln source tree?)")
                 results.setdefault((name, rows, seq), []).append(got)
     ac = ", activation checkpointing" if a.checkpointing else ""
-    print(f"tiny preset, fp32, 1 thread{ac}; {a.steps} steps per process, {a.repeats} process(es) per cell; "
-          "peak RSS growth over the steps (median, min-max) and median step time\n")  # fmt: skip
+    print(
+        f"tiny preset, fp32, 1 thread{ac}; {a.steps} steps per process, {a.repeats} process(es) per cell; "
+        "peak RSS growth over the steps (median, min-max) and median step time\n"
+    )
     head = "| rows x tokens | tokens |" + "".join(f" {n} peak MiB | {n} s/step |" for n in trees)
     print(head)
     print("|---|---|" + "---|---|" * len(trees))
@@ -175,7 +194,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="steps per cell (default 8; memory mode 3, the first not timed)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "mxfp8"], help="rows to measure (default: every one available)")
+    ap.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=["fp32", "bf16", "mxfp8"],
+        help="rows to measure (default: every one available)",
+    )
     ap.add_argument("--rank-cell", nargs=4, help=argparse.SUPPRESS)  # precision dp ep out (inside torchrun)
     ap.add_argument("--memory", action="store_true", help="peak memory and time per batch shape instead of throughput")
     ap.add_argument("--shapes", default="1x1024,1x2048,1x4096,1x8192,8x1024", help="memory mode: ROWSxTOKENS,...")
@@ -219,10 +243,24 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as d:
                 out = Path(d) / "tps.json"
                 cmd = [
-                    sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * ep}", "--standalone",
-                    __file__, "--steps", str(a.steps), "--rows", str(a.rows), "--seq", str(a.seq),
-                    "--rank-cell", precision, str(dp), str(ep), str(out),
-                ]  # fmt: skip
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    f"--nproc-per-node={dp * ep}",
+                    "--standalone",
+                    __file__,
+                    "--steps",
+                    str(a.steps),
+                    "--rows",
+                    str(a.rows),
+                    "--seq",
+                    str(a.seq),
+                    "--rank-cell",
+                    precision,
+                    str(dp),
+                    str(ep),
+                    str(out),
+                ]
                 subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
                 table[precision, dp, ep] = json.loads(out.read_text())
     print(f"tiny preset, {a.rows} x {a.seq} tokens per step, {a.steps} steps; tokens/s\n")

@@ -57,7 +57,9 @@ def cpu(repeat: int, n: int) -> None:
             ref = best(lambda: to_mx(x, torch.float8_e4m3fn, 32, ao_mode), repeat)
             e, s = mx.quantize(x, mode)
             rs, re = to_mx(x, torch.float8_e4m3fn, 32, ao_mode)
-            same = torch.equal(e.view(torch.uint8), re.view(torch.uint8)) and torch.equal(s.reshape(-1), rs.view(torch.uint8).reshape(-1))
+            same = torch.equal(e.view(torch.uint8), re.view(torch.uint8)) and torch.equal(
+                s.reshape(-1), rs.view(torch.uint8).reshape(-1)
+            )
             name = str(dtype).removeprefix("torch.")
             print(f"| {name} | {mode} | {gb / ours:.2f} | {gb / ref:.2f} | {ref / ours:.2f}x | {same} |")
 
@@ -97,7 +99,9 @@ def gpu(repeat: int) -> None:
     rows = {
         "kiln mx.quantize (rceil, eager)": best(lambda: mx.quantize(x, "rceil"), repeat, sync),
         "kiln mx.quantize (rceil, torch.compile)": _optional(lambda: best(lambda: compiled(x, "rceil"), repeat, sync)),
-        "torchao to_mx (rceil, eager)": best(lambda: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL), repeat, sync),
+        "torchao to_mx (rceil, eager)": best(
+            lambda: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL), repeat, sync
+        ),
         "torchao triton_to_mxfp8_dim0 (rceil)": _optional(triton_dim0),
     }
     print(f"{torch.cuda.get_device_name()} (SM{cap[0]}{cap[1]}): quantize 16384 x 7168 bf16, best of {repeat}\n")
@@ -112,8 +116,14 @@ def gpu(repeat: int) -> None:
     cfg = MoEConfig(vocab_size=1, hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
     tokens = torch.randn(16384, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
     mx_kernel = "auto" if cap >= (10, 0) else "emulated"
-    recipes = {"bf16": ("bf16", None), "fp8 rowwise experts": ("fp8_rowwise", None), f"mxfp8 experts ({mx_kernel})": ("mxfp8", mx_kernel)}
-    print("\n| MoE layer (2048 hidden, 128 x 768 experts, top-8, 16k tokens) | fwd + bwd ms (median) | precision |\n|---|---|---|")
+    recipes = {
+        "bf16": ("bf16", None),
+        "fp8 rowwise experts": ("fp8_rowwise", None),
+        f"mxfp8 experts ({mx_kernel})": ("mxfp8", mx_kernel),
+    }
+    print(
+        "\n| MoE layer (2048 hidden, 128 x 768 experts, top-8, 16k tokens) | fwd + bwd ms (median) | precision |\n|---|---|---|"
+    )
     for label, (recipe, kernel) in recipes.items():
         layer = SparseMoE(cfg).to(dev)
         for p in layer.parameters():

@@ -26,31 +26,46 @@ import asyncio
 import statistics
 import time
 
+from common import envpool_node
+
+from kiln.reward.cleanroom import CleanRoom
 from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
 from kiln.shared.tasks.report import outcome, parse_test_report
 
-from kiln.reward.cleanroom import CleanRoom
-
-from common import envpool_node
-
 
 async def agent(pool: EnvPoolClient, task: Task, solve: bool) -> c.Trajectory:
     ref = await pool.create(task.id)
     if solve:
-        calls = [c.ToolCall(id=f"w{i}", name="write_file", arguments={"path": p, "content": t})
-                 for i, (p, t) in enumerate(sorted(task.solution.items()))]  # fmt: skip
+        calls = [
+            c.ToolCall(id=f"w{i}", name="write_file", arguments={"path": p, "content": t})
+            for i, (p, t) in enumerate(sorted(task.solution.items()))
+        ]
         assert all(r.error is None for r in await pool.tools(ref, calls))
     diff = await pool.diff(ref)
-    return c.Trajectory(run_id="bench", trajectory_id=f"{task.id}-{solve}-{time.monotonic_ns()}", group_id="g", task_id=task.id,
-                        sample_index=0, dispatch_version=0, status=c.TrajectoryStatus.FINISHED, token_ids=[1], logprobs=[0.0],
-                        token_versions=[-1], loss_mask=[0], sandbox=ref, final_diff=diff)  # fmt: skip
+    return c.Trajectory(
+        run_id="bench",
+        trajectory_id=f"{task.id}-{solve}-{time.monotonic_ns()}",
+        group_id="g",
+        task_id=task.id,
+        sample_index=0,
+        dispatch_version=0,
+        status=c.TrajectoryStatus.FINISHED,
+        token_ids=[1],
+        logprobs=[0.0],
+        token_versions=[-1],
+        loss_mask=[0],
+        sandbox=ref,
+        final_diff=diff,
+    )
 
 
 async def in_place(pool: EnvPoolClient, traj: c.Trajectory, task: Task) -> bool:
-    calls = [c.ToolCall(id=f"t{i}", name="write_file", arguments={"path": p, "content": t})
-             for i, (p, t) in enumerate(sorted(task.test_files.items()))]  # fmt: skip
+    calls = [
+        c.ToolCall(id=f"t{i}", name="write_file", arguments={"path": p, "content": t})
+        for i, (p, t) in enumerate(sorted(task.test_files.items()))
+    ]
     assert all(r.error is None for r in await pool.tools(traj.sandbox, calls))
     r = await pool.exec(traj.sandbox, task.test_command, task.timeout_s)
     tests = outcome(parse_test_report(r.stdout + "\n" + r.stderr), task.fail_to_pass + task.pass_to_pass)
@@ -106,12 +121,20 @@ async def main(rounds: int, concurrency: int, max_tasks: int | None) -> None:
         rate_new = await throughput(lambda tr, t: clean_room(room, pool, tr, t))
         await room.close()
     n = len(old)
-    print(f"| scoring ({n} trajectories, {len(tasks)} built-in tasks) | p50 ms | mean ms | per second, {concurrency} at a time |")
+    print(
+        f"| scoring ({n} trajectories, {len(tasks)} built-in tasks) | p50 ms | mean ms | per second, {concurrency} at a time |"
+    )
     print("|---|---|---|---|")
-    print(f"| (a) in place, printed output parsed | {pct(old, 0.5) * 1e3:.1f} | {statistics.mean(old) * 1e3:.1f} | {rate_old:.1f} |")
-    print(f"| (b) clean room, kiln's runner | {pct(new, 0.5) * 1e3:.1f} | {statistics.mean(new) * 1e3:.1f} | {rate_new:.1f} |")
-    print(f"\n(b)/(a): p50 {pct(new, 0.5) / pct(old, 0.5):.2f}, mean {statistics.mean(new) / statistics.mean(old):.2f}, "
-          f"throughput {rate_old / rate_new:.2f}")  # fmt: skip
+    print(
+        f"| (a) in place, printed output parsed | {pct(old, 0.5) * 1e3:.1f} | {statistics.mean(old) * 1e3:.1f} | {rate_old:.1f} |"
+    )
+    print(
+        f"| (b) clean room, kiln's runner | {pct(new, 0.5) * 1e3:.1f} | {statistics.mean(new) * 1e3:.1f} | {rate_new:.1f} |"
+    )
+    print(
+        f"\n(b)/(a): p50 {pct(new, 0.5) / pct(old, 0.5):.2f}, mean {statistics.mean(new) / statistics.mean(old):.2f}, "
+        f"throughput {rate_old / rate_new:.2f}"
+    )
 
 
 if __name__ == "__main__":

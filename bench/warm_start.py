@@ -64,7 +64,9 @@ class MemoryTools:
                         raise ValueError(f"{a['path']} does not exist")
                     n = text.count(a["old"]) if a["old"] else 0
                     if n != 1:
-                        raise ValueError(f"`old` text not found in {a['path']}" if n == 0 else f"`old` text occurs {n} times")
+                        raise ValueError(
+                            f"`old` text not found in {a['path']}" if n == 0 else f"`old` text occurs {n} times"
+                        )
                     self.files[a["path"]] = text.replace(a["old"], a["new"], 1)
                     result = f"edited {a['path']}"
                 else:
@@ -80,14 +82,22 @@ class MemoryTools:
 
 async def episode(task: Task, engine, tok, rcfg: RolloutConfig, temperature: float, seed: int, tools) -> bool:
     env = MemoryTools(task)
-    req = c.RolloutRequest(run_id="bench", group_id=f"g-{task.id}", task_id=task.id, n_samples=1, dispatch_version=0,
-                           deadline=time.time() + 600)  # fmt: skip
+    req = c.RolloutRequest(
+        run_id="bench",
+        group_id=f"g-{task.id}",
+        task_id=task.id,
+        n_samples=1,
+        dispatch_version=0,
+        deadline=time.time() + 600,
+    )
     spec = EpisodeSpec(req, 0, task, "bench", seed, temperature, tools=tuple(tools))
     await run_episode(spec, engine, tok, env, rcfg.rollout, trace.get_tracer("bench"))
     return all(env.files.get(p) == text for p, text in (task.solution or {}).items())
 
 
-async def evaluate(model, tok, tasks, rcfg, samples: int, tools, temperature: float = 1.0) -> tuple[float, float, float, float]:
+async def evaluate(
+    model, tok, tasks, rcfg, samples: int, tools, temperature: float = 1.0
+) -> tuple[float, float, float, float]:
     """Greedy and sampled pass rates, overall and on the tasks an imperfect demonstrator
     (``learner.sft_wrong_target_rate``) gets wrong."""
     engine = TorchEngine(threads=torch.get_num_threads())
@@ -97,8 +107,12 @@ async def evaluate(model, tok, tasks, rcfg, samples: int, tools, temperature: fl
     model.train()
     lazy = [wrong_target_edit(t) is not None for t in tasks]
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return (mean(greedy), mean(sampled), mean([g for g, w in zip(greedy, lazy) if w]),
-            mean([p for i, p in enumerate(sampled) if lazy[i // samples]]))  # fmt: skip
+    return (
+        mean(greedy),
+        mean(sampled),
+        mean([g for g, w in zip(greedy, lazy) if w]),
+        mean([p for i, p in enumerate(sampled) if lazy[i // samples]]),
+    )
 
 
 def main() -> None:
@@ -106,12 +120,16 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--set", action="append", default=[], help="section.key=value overrides")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--stages", type=int, nargs="+", default=[300, 400, 500, 600], help="cumulative SFT steps at which to evaluate")
+    ap.add_argument(
+        "--stages", type=int, nargs="+", default=[300, 400, 500, 600], help="cumulative SFT steps at which to evaluate"
+    )
     ap.add_argument("--eval-tasks", type=int, default=48, help="held-out tasks evaluated per stage")
     ap.add_argument("--samples", type=int, default=2, help="sampled episodes per task per stage")
     ap.add_argument("--temperature", type=float, default=1.0, help="of the sampled episodes")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--stop", action="store_true", help="end where the run would (learner.sft_stop_match) and evaluate there too")
+    ap.add_argument(
+        "--stop", action="store_true", help="end where the run would (learner.sft_stop_match) and evaluate there too"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -129,29 +147,53 @@ def main() -> None:
             if done not in args.stages:
                 return
             sft_s = time.monotonic() - t0
-            g, s, g2, s2 = asyncio.run(evaluate(policy.model, policy.tokenizer, heldout, rcfg, args.samples, lcfg.tasks.tools,
-                                                args.temperature))  # fmt: skip
-            row = dict(seed=seed, steps=done, loss=statistics.mean(losses[-20:]), greedy=g, sampled=s, greedy_second=g2,
-                       sampled_second=s2, sft_s=round(sft_s, 1))  # fmt: skip
+            g, s, g2, s2 = asyncio.run(
+                evaluate(
+                    policy.model, policy.tokenizer, heldout, rcfg, args.samples, lcfg.tasks.tools, args.temperature
+                )
+            )
+            row = dict(
+                seed=seed,
+                steps=done,
+                loss=statistics.mean(losses[-20:]),
+                greedy=g,
+                sampled=s,
+                greedy_second=g2,
+                sampled_second=s2,
+                sft_s=round(sft_s, 1),
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
             t0 = time.monotonic()
 
         # The very warm start the learner runs (same initial weights, data order and
         # optimizer), evaluated along the way.
-        losses = warm_start(policy.model, policy.tokenizer, train, steps=max(args.stages), lr=lcfg.learner.sft_lr,
-                            batch=lcfg.learner.sft_batch, seed=seed, tools=lcfg.tasks.tools,
-                            stop_match=lcfg.learner.sft_stop_match if args.stop else 0.0,
-                            wrong_target_rate=lcfg.learner.sft_wrong_target_rate,
-                            prose_fix_rate=lcfg.learner.sft_prose_fix_rate, on_step=on_step)  # fmt: skip
+        losses = warm_start(
+            policy.model,
+            policy.tokenizer,
+            train,
+            steps=max(args.stages),
+            lr=lcfg.learner.sft_lr,
+            batch=lcfg.learner.sft_batch,
+            seed=seed,
+            tools=lcfg.tasks.tools,
+            stop_match=lcfg.learner.sft_stop_match if args.stop else 0.0,
+            wrong_target_rate=lcfg.learner.sft_wrong_target_rate,
+            prose_fix_rate=lcfg.learner.sft_prose_fix_rate,
+            on_step=on_step,
+        )
         if len(losses) not in args.stages:  # where learner.sft_stop_match ended it
             args.stages.append(len(losses))
             on_step(len(losses), losses)
             args.stages.pop()
-    print(f"| seed | SFT steps | loss (last 20) | held-out greedy | sampled (T = {args.temperature:g}) | greedy, target not first | sampled, target not first |")
+    print(
+        f"| seed | SFT steps | loss (last 20) | held-out greedy | sampled (T = {args.temperature:g}) | greedy, target not first | sampled, target not first |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seed']} | {r['steps']} | {r['loss']:.3f} | {r['greedy']:.0%} | {r['sampled']:.0%} | {r['greedy_second']:.0%} | {r['sampled_second']:.0%} |")
+        print(
+            f"| {r['seed']} | {r['steps']} | {r['loss']:.3f} | {r['greedy']:.0%} | {r['sampled']:.0%} | {r['greedy_second']:.0%} | {r['sampled_second']:.0%} |"
+        )
 
 
 if __name__ == "__main__":

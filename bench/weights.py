@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import stop_children
 from safetensors.torch import save_file
 
 from kiln.shared import contracts as c
@@ -51,8 +52,6 @@ from kiln.shared.config import NatsSettings, render_toml
 from kiln.shared.db import Database, Run, upgrade
 from kiln.shared.embedded import NatsServer
 from kiln.shared.weights.manifest import file_infos, sha256_files
-
-from common import stop_children
 
 RUN = "bench-weights"
 
@@ -111,8 +110,9 @@ async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
     await asyncio.Event().wait()
 
 
-async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int, rounds: int,
-                       notes: list[str]) -> list[Round]:  # fmt: skip
+async def distribution(
+    tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int, rounds: int, notes: list[str]
+) -> list[Round]:
     """``rounds`` timed rounds of one transport to ``n`` receivers (see the module's
     docstring); what stopping the children needed goes to ``notes``."""
     # One run per measurement: the database remembers which versions a run has stored.
@@ -122,14 +122,21 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
     await db.close()
     store = tmp / f"store-{n}-{delta}"
     exp = tmp / f"weights-{n}-{delta}.toml"
-    exp.write_text(render_toml({
-        "run": {"id": run}, "nats": {"url": nats.url}, "database": {"url": db_url},
-        "telemetry": {"log_format": "text", "log_level": "WARNING"},
-        "weights": {"store_dir": str(store), "staging_dir": str(tmp), "delta": delta, "http_port": -1},
-    }))  # fmt: skip
+    exp.write_text(
+        render_toml(
+            {
+                "run": {"id": run},
+                "nats": {"url": nats.url},
+                "database": {"url": db_url},
+                "telemetry": {"log_format": "text", "log_level": "WARNING"},
+                "weights": {"store_dir": str(store), "staging_dir": str(tmp), "delta": delta, "http_port": -1},
+            }
+        )
+    )
     bus = await Bus.connect(NatsSettings(url=nats.url), "bench")
     await bus.ensure_topology()
     ready, done = asyncio.Queue(), asyncio.Queue()
+
     async def on_ready(m):
         ready.put_nowait(m.data)
 
@@ -137,9 +144,21 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
         done.put_nowait((m.subject, m.data))
 
     subs = [await bus.nc.subscribe("bench.ready", cb=on_ready), await bus.nc.subscribe("bench.done.*", cb=on_done)]
-    weights = subprocess.Popen([sys.executable, "-m", "kiln.weights.main", "--config", str(exp), "--instance", f"w{n}{delta}"])
+    weights = subprocess.Popen(
+        [sys.executable, "-m", "kiln.weights.main", "--config", str(exp), "--instance", f"w{n}{delta}"]
+    )
     receivers = [
-        subprocess.Popen([sys.executable, __file__, "--receiver", nats.url, str(tmp / f"cache-{n}-{delta}-{i}") if delta else "", f"r{i}", run])
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--receiver",
+                nats.url,
+                str(tmp / f"cache-{n}-{delta}-{i}") if delta else "",
+                f"r{i}",
+                run,
+            ]
+        )
         for i in range(n)
     ]
     children = {"weights service": weights, **{f"receiver r{i}": p for i, p in enumerate(receivers)}}
@@ -147,7 +166,9 @@ async def distribution(tmp: Path, nats: NatsServer, db_url: str, n: int, delta: 
 
     async def hand_over(v: int, folder: Path, files) -> float:
         t0 = time.perf_counter()
-        ck = c.PolicyCheckpoint(run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder), files=files)
+        ck = c.PolicyCheckpoint(
+            run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder), files=files
+        )
         await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run}-{v}")
         for _ in range(n):
             await asyncio.wait_for(done.get(), 600)
@@ -197,9 +218,11 @@ def distribution_row(kind: str, n: int, rs: list[Round]) -> str:
     raw, raw_spread = median_and_range([r.raw_copy for r in rs], 3)
     ratio = statistics.median(r.handover for r in rs) / statistics.median(r.raw_copy for r in rs)
     _, ratios = median_and_range([r.handover / r.raw_copy for r in rs], 1, "x")
-    return (f"| {kind} | {n} | {len(rs)} | {statistics.median(r.hashed for r in rs):.3f} | {handover} | {handover_spread} "
-            f"| {statistics.median(r.handover for r in rs) / n:.3f} | {raw} | {raw_spread} "
-            f"| {statistics.median(r.sha256 for r in rs):.3f} | {ratio:.1f}x | {ratios} |")  # fmt: skip
+    return (
+        f"| {kind} | {n} | {len(rs)} | {statistics.median(r.hashed for r in rs):.3f} | {handover} | {handover_spread} "
+        f"| {statistics.median(r.handover for r in rs) / n:.3f} | {raw} | {raw_spread} "
+        f"| {statistics.median(r.sha256 for r in rs):.3f} | {ratio:.1f}x | {ratios} |"
+    )
 
 
 def one_step_deltas() -> list[str]:
@@ -220,10 +243,18 @@ def one_step_deltas() -> list[str]:
         def traj(i):
             ids = [random.randrange(vocab) for _ in range(900)]
             return Trajectory(
-                run_id="r", trajectory_id=f"t{i}", group_id="g", task_id="t", sample_index=i, dispatch_version=0,
-                status=TrajectoryStatus.FINISHED, token_ids=ids, logprobs=[0.0] * 700 + [-6.0] * 200,
-                token_versions=[-1] * 700 + [0] * 200, loss_mask=[0] * 700 + [1] * 200,
-            )  # fmt: skip
+                run_id="r",
+                trajectory_id=f"t{i}",
+                group_id="g",
+                task_id="t",
+                sample_index=i,
+                dispatch_version=0,
+                status=TrajectoryStatus.FINISHED,
+                token_ids=ids,
+                logprobs=[0.0] * 700 + [-6.0] * 200,
+                token_versions=[-1] * 700 + [0] * 200,
+                loss_mask=[0] * 700 + [1] * 200,
+            )
 
         batch = [(traj(i), random.choice([-0.5, 0.5])) for i in range(8)]
         before = {k: v.clone() for k, v in to_hf_state_dict(pol.model).items()}
@@ -243,10 +274,15 @@ def delta_rows(label: str, before: dict, after: dict) -> list[str]:
         for dtype in (torch.float32, torch.bfloat16):
             for name, sd in (("a", before), ("b", after)):
                 (d / f"{name}{dtype}").mkdir()
-                save_file({k: v.to(dtype).contiguous() for k, v in sd.items()}, str(d / f"{name}{dtype}" / "model.safetensors"))
+                save_file(
+                    {k: v.to(dtype).contiguous() for k, v in sd.items()},
+                    str(d / f"{name}{dtype}" / "model.safetensors"),
+                )
             full = (d / f"b{dtype}" / "model.safetensors").stat().st_size
             blob = make_delta(d / f"a{dtype}", d / f"b{dtype}", ["model.safetensors"], base_version=0)
-            rows.append(f"| {label} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |")
+            rows.append(
+                f"| {label} | {str(dtype).removeprefix('torch.')} | {full:,} | {len(blob):,} | {len(blob) / full:.1%} |"
+            )
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return rows
@@ -282,13 +318,17 @@ async def main(counts: list[int], mb: int, rounds: int) -> None:
         for delta in (False, True):
             for n in counts:
                 kind = "delta (rebuilt per receiver)" if delta else "full (shared store, in place)"
-                rows.append(distribution_row(kind, n, await distribution(tmp, nats, db_url, n, delta, mb, rounds, notes)))
+                rows.append(
+                    distribution_row(kind, n, await distribution(tmp, nats, db_url, n, delta, mb, rounds, notes))
+                )
     finally:
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"| transport ({mb} MB version) | receivers | rounds | learner hashes (s, median) "
-              "| hand-over -> all hold (s, median) | hand-over min-max (s) | per receiver (s) | raw copy (s, median) "
-              "| raw copy min-max (s) | sha256 once (s, median) | all hold / raw copy (ratio of medians) | per-round ratios (min-max) |")
+        print(
+            f"| transport ({mb} MB version) | receivers | rounds | learner hashes (s, median) "
+            "| hand-over -> all hold (s, median) | hand-over min-max (s) | per receiver (s) | raw copy (s, median) "
+            "| raw copy min-max (s) | sha256 once (s, median) | all hold / raw copy (ratio of medians) | per-round ratios (min-max) |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(rows))
         for line in notes:
@@ -306,7 +346,11 @@ if __name__ == "__main__":
         ap.add_argument("--receivers", type=int, nargs="+", default=[1, 4, 16])
         ap.add_argument("--mb", type=int, default=200)
         ap.add_argument("--rounds", type=int, default=5, help="timed versions per transport and receiver count")
-        ap.add_argument("--deltas-of-run", type=Path, help="only: delta bytes between consecutive versions of this finished run's folder")
+        ap.add_argument(
+            "--deltas-of-run",
+            type=Path,
+            help="only: delta bytes between consecutive versions of this finished run's folder",
+        )
         ap.add_argument("--every", type=int, default=10, help="with --deltas-of-run: one version pair in this many")
         a = ap.parse_args()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

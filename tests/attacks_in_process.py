@@ -115,12 +115,17 @@ OUTCOME = (
     "        return _from_call.__func__(cls, func, when, *a, **k)\n"
     "    _CI.from_call = classmethod(from_call)\n"
 )
-_IDS = ["test_calc.TestCalc.test_add_positive", "test_calc.TestCalc.test_add_zero", "tests/test_calc.py::test_add", "tests/test_calc.py::test_zero"]
+_IDS = [
+    "test_calc.TestCalc.test_add_positive",
+    "test_calc.TestCalc.test_add_zero",
+    "tests/test_calc.py::test_add",
+    "tests/test_calc.py::test_zero",
+]
 FORGE_EVENTS = (
     "import os, json\n"
     f"_ids = {_IDS!r}\n"
     "_lines = [b'ready\\n'] + [(json.dumps({'t': 'result', 'id': i, 'status': 'passed', 'message': '', 'seconds': 0.0}) + '\\n').encode()\n"
-    "                       for i in _ids] + [b'{\"t\": \"done\", \"tampered\": [], \"shadowed\": []}\\n']\n"
+    '                       for i in _ids] + [b\'{"t": "done", "tampered": [], "shadowed": []}\\n\']\n'
     "for _fd in sorted(int(x) for x in os.listdir('/proc/self/fd')):\n"
     "    try:\n"
     "        if os.readlink('/proc/self/fd/%d' % _fd).startswith('pipe:') and _fd > 2:\n"
@@ -148,7 +153,7 @@ WRAP_WRITE = (
     "_w = os.write\n"
     "def _write(fd, data):\n"
     "    if isinstance(data, (bytes, bytearray)):\n"
-    "        data = bytes(data).replace(b'\"status\": \"failed\"', b'\"status\": \"passed\"').replace(b\"'failed'\", b\"'passed'\")\n"
+    '        data = bytes(data).replace(b\'"status": "failed"\', b\'"status": "passed"\').replace(b"\'failed\'", b"\'passed\'")\n'
     "    return _w(fd, data)\n"
     "os.write = _write\n"
 )

@@ -33,8 +33,26 @@ def pytest_sessionfinish(session):
     if base is not None and base._basetemp is not None:
         root = base._basetemp.parent if base._basetemp.name.startswith("pytest-") else base._basetemp
     if root.is_dir():
-        subprocess.run(["find", str(root), "-mindepth", str(DEEP), "-maxdepth", str(DEEP), "-type", "d",
-                        "-prune", "-exec", "rm", "-rf", "{}", "+"], check=False, capture_output=True)
+        subprocess.run(
+            [
+                "find",
+                str(root),
+                "-mindepth",
+                str(DEEP),
+                "-maxdepth",
+                str(DEEP),
+                "-type",
+                "d",
+                "-prune",
+                "-exec",
+                "rm",
+                "-rf",
+                "{}",
+                "+",
+            ],
+            check=False,
+            capture_output=True,
+        )
 
 
 @pytest.fixture

@@ -23,9 +23,16 @@ from kiln.learner.parallel import ParallelDims, full_state_dict, init_distribute
 from kiln.shared.model import MoEConfig, MoEForCausalLM
 
 CFG = MoEConfig(
-    vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
 ROWS = 8
 HPARAMS = {"loss": LossConfig(clip_eps=0.2), "temperature": 1.0, "max_grad_norm": 1.0}
 
@@ -36,9 +43,12 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
     lengths = torch.randint(10, 25, (ROWS,), generator=g).tolist()
     t = max(lengths)
     b = {
-        "ids": torch.zeros(ROWS, t, dtype=torch.long), "attn": torch.zeros(ROWS, t, dtype=torch.long),
-        "mask": torch.zeros(ROWS, t), "behaviour": torch.zeros(ROWS, t), "adv": torch.zeros(ROWS, 1),
-    }  # fmt: skip
+        "ids": torch.zeros(ROWS, t, dtype=torch.long),
+        "attn": torch.zeros(ROWS, t, dtype=torch.long),
+        "mask": torch.zeros(ROWS, t),
+        "behaviour": torch.zeros(ROWS, t),
+        "adv": torch.zeros(ROWS, 1),
+    }
     for i, n in enumerate(lengths):
         b["ids"][i, :n] = torch.randint(1, CFG.vocab_size, (n,), generator=g)
         b["attn"][i, :n] = 1
@@ -62,7 +72,14 @@ def optimizer(m) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 
 
-COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+COLLECTIVES = (
+    "all_reduce",
+    "all_to_all_single",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+)
 
 
 def refuse_off_device(device: torch.device) -> None:
@@ -72,7 +89,9 @@ def refuse_off_device(device: torch.device) -> None:
     def check(name, fn):
         def checked(*args, **kwargs):
             items = [*args, *kwargs.values()]
-            tensors = [t for a in items for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+            tensors = [
+                t for a in items for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)
+            ]
             for t in tensors:
                 if t.device != device:
                     raise RuntimeError(f"{name} got a tensor on {t.device}; the training device is {device}")

@@ -245,23 +245,47 @@ def malformed(model: type[c.Message], stream: str | None, max_payload: int) -> s
         st.builds(Case, st.just("unicode-junk"), junk_text.map(str.encode), hdrs),
         st.builds(Case, st.just("json-wrong-shape"), json_values.map(obj), hdrs),
         st.builds(Case, st.just("wrong-type"), st.builds(replaced, st.sampled_from(keys), json_values), hdrs),
-        st.builds(Case, st.just("schema-version"), st.integers(-5, 2**40).filter(lambda v: v != 1).map(lambda v: replaced("schema", v)), hdrs),
-        st.builds(Case, st.just("extra-field"), st.builds(lambda k, v: obj({**base, k: v}), junk_text.filter(lambda k: k not in keys), json_values),
-                  hdrs),
-        st.builds(Case, st.just("truncated"), st.integers(0, 200).map(lambda n: obj(base)[: n % max(1, len(obj(base)))]), hdrs),
         st.builds(
-            Case, st.just("huge-field"),
-            st.integers(100_000, 600_000).map(lambda n: obj({**base, "x" * 8: "\u00e9" * (n // 2)})), st.none() | hdrs,
-        ),  # fmt: skip
-        st.builds(Case, st.just("forged-claim-missing"), st.binary(max_size=40),
-                  st.builds(lambda k: {c.HDR_CLAIM: k}, header_values.filter(str.strip))),
+            Case,
+            st.just("schema-version"),
+            st.integers(-5, 2**40).filter(lambda v: v != 1).map(lambda v: replaced("schema", v)),
+            hdrs,
+        ),
         st.builds(
-            Case, st.just("forged-claim-other"), st.just(b""), st.just({c.HDR_CLAIM: ""}),
-            st.binary(max_size=200) | json_values.map(obj) | st.integers(300_000, 1_500_000).map(lambda n: b"[" + b"1," * (n // 2) + b"x]"),
-        ),  # fmt: skip
+            Case,
+            st.just("extra-field"),
+            st.builds(lambda k, v: obj({**base, k: v}), junk_text.filter(lambda k: k not in keys), json_values),
+            hdrs,
+        ),
+        st.builds(
+            Case, st.just("truncated"), st.integers(0, 200).map(lambda n: obj(base)[: n % max(1, len(obj(base)))]), hdrs
+        ),
+        st.builds(
+            Case,
+            st.just("huge-field"),
+            st.integers(100_000, 600_000).map(lambda n: obj({**base, "x" * 8: "\u00e9" * (n // 2)})),
+            st.none() | hdrs,
+        ),
+        st.builds(
+            Case,
+            st.just("forged-claim-missing"),
+            st.binary(max_size=40),
+            st.builds(lambda k: {c.HDR_CLAIM: k}, header_values.filter(str.strip)),
+        ),
+        st.builds(
+            Case,
+            st.just("forged-claim-other"),
+            st.just(b""),
+            st.just({c.HDR_CLAIM: ""}),
+            st.binary(max_size=200)
+            | json_values.map(obj)
+            | st.integers(300_000, 1_500_000).map(lambda n: b"[" + b"1," * (n // 2) + b"x]"),
+        ),
     ]
     if ranged := out_of_range(model):
-        kinds.append(st.builds(Case, st.just("out-of-range"), st.sampled_from(ranged).map(lambda kv: replaced(*kv)), hdrs))
+        kinds.append(
+            st.builds(Case, st.just("out-of-range"), st.sampled_from(ranged).map(lambda kv: replaced(*kv)), hdrs)
+        )
     if required:
         without = st.sampled_from(required).map(lambda k: obj({x: v for x, v in base.items() if x != k}))
         kinds.append(st.builds(Case, st.just("missing-field"), without, hdrs))
@@ -301,7 +325,14 @@ def draw(strategy: st.SearchStrategy, n: int) -> list:
     """``n`` examples of ``strategy`` (fewer if it has fewer), the same on every run."""
     out: list = []
 
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(x):
         out.append(x)
@@ -316,7 +347,9 @@ def draw(strategy: st.SearchStrategy, n: int) -> list:
 
 hostile_floats = st.floats() | st.sampled_from([0.0, -1.0, 1e-9, 1e308, float("inf"), float("-inf"), float("nan")])
 hostile_ints = st.integers(-(2**63), 2**63) | st.sampled_from([0, -1, 2**31, 2**64])
-hostile_text = junk_text | st.sampled_from(["", ".", "..", "../../etc/passwd", "/", "a" * 5000, "\x00", "*", ">", "kiln.>"])
+hostile_text = junk_text | st.sampled_from(
+    ["", ".", "..", "../../etc/passwd", "/", "a" * 5000, "\x00", "*", ">", "kiln.>"]
+)
 
 
 def hostile(model: type[BaseModel], choices: dict[str, st.SearchStrategy] | None = None) -> st.SearchStrategy[dict]:

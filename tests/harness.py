@@ -18,7 +18,11 @@ from kiln.shared.service import run_service
 def experiment(run_dir: Path, nats_url: str, db_url: str, **sections) -> Path:
     """A small, fast experiment file in ``run_dir``; ``sections`` override tables."""
     base = {
-        "run": {"id": f"test-{run_dir.parent.name[-12:]}".replace(".", "-").replace("_", "-"), "dir": str(run_dir), "seed": 0},
+        "run": {
+            "id": f"test-{run_dir.parent.name[-12:]}".replace(".", "-").replace("_", "-"),
+            "dir": str(run_dir),
+            "seed": 0,
+        },
         "nats": {"url": nats_url, "ack_wait_s": {}},
         "database": {"url": db_url},
         "telemetry": {"log_format": "text"},
@@ -33,7 +37,13 @@ def experiment(run_dir: Path, nats_url: str, db_url: str, **sections) -> Path:
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
         },
-        "algorithm": {"steps": 3, "groups_per_step": 2, "samples_per_group": 2, "max_staleness": 0, "group_deadline_s": 120},
+        "algorithm": {
+            "steps": 3,
+            "groups_per_step": 2,
+            "samples_per_group": 2,
+            "max_staleness": 0,
+            "group_deadline_s": 120,
+        },
         "rollout": {"max_turns": 2, "max_new_tokens": 16, "max_total_tokens": 2048},
         "learner": {"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1},
         "envpool": {"reap_interval_s": 0.5, "semantic_mode": "bm25"},  # the embedding model loads in its own tests
@@ -55,11 +65,11 @@ async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Pat
     """Every task of ``suite`` that has a solution, scored by a real env-pool and reward:
     once unchanged, once with its solution written by the agent's ``write_file`` tool.
     Returns ({trajectory id: (reward, infra_error)}, what a sound reward gives: 0 and 1)."""
+    from test_reward import scored_messages, trajectory
+
     from kiln.shared import contracts as c
     from kiln.shared.envpool_client import EnvPoolClient
     from kiln.shared.tasks import load_suite
-
-    from test_reward import scored_messages, trajectory
 
     envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
     p, run_id = await reward_platform(run_dir, nats_server.url, db_url, suite, envpool=envpool)
@@ -69,8 +79,10 @@ async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Pat
         for t in [t for t in load_suite(str(suite)).tasks if t.solution]:
             unchanged = await pool.create(t.id)
             solved = await pool.create(t.id)
-            calls = [c.ToolCall(id=str(i), name="write_file", arguments={"path": f, "content": text})
-                     for i, (f, text) in enumerate(sorted(t.solution.items()))]  # fmt: skip
+            calls = [
+                c.ToolCall(id=str(i), name="write_file", arguments={"path": f, "content": text})
+                for i, (f, text) in enumerate(sorted(t.solution.items()))
+            ]
             assert all(r.error is None for r in await pool.tools(solved, calls))
             for kind, ref in (("unchanged", unchanged), ("solved", solved)):
                 tr = trajectory(run_id, ref, tid=f"{t.id}-{kind}").model_copy(update={"task_id": t.id})
@@ -83,7 +95,9 @@ async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Pat
         await p.stop_all()
 
 
-async def reward_platform(run_dir: Path, nats_url: str, db_url: str, suite, **sections) -> tuple["InProcessPlatform", str]:
+async def reward_platform(
+    run_dir: Path, nats_url: str, db_url: str, suite, **sections
+) -> tuple[InProcessPlatform, str]:
     """env-pool and reward (in-process) over ``suite``, with the run's row in the
     database; (platform, run id)."""
     from kiln.shared.db import Database, Run
@@ -160,7 +174,11 @@ class InProcessPlatform:
                 await self.start(name, wait_ready=name != "learner")
 
     def failed(self) -> list[tuple[str, BaseException]]:
-        return [(r.instance, r.task.exception()) for r in self.running if r.task.done() and not r.task.cancelled() and r.task.exception()]
+        return [
+            (r.instance, r.task.exception())
+            for r in self.running
+            if r.task.done() and not r.task.cancelled() and r.task.exception()
+        ]
 
     async def stop(self, r: Running, timeout: float = 20.0) -> None:
         r.stop.set()

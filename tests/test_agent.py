@@ -8,19 +8,16 @@ import asyncio
 import json
 import time
 
-import pytest
 from opentelemetry import trace
-
-from kiln.shared import chat
-from kiln.shared import contracts as c
-from kiln.shared.model.tokenizer import train_tokenizer
-from kiln.shared.tasks import load_suite
 
 from kiln.learner.policy import tokenizer_corpus
 from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
-
+from kiln.shared import chat
+from kiln.shared import contracts as c
+from kiln.shared.model.tokenizer import train_tokenizer
+from kiln.shared.tasks import load_suite
 
 SUITE = load_suite("builtin")
 TASK = SUITE.get("fix-calc")
@@ -56,27 +53,55 @@ def tool_call(name, **args) -> str:
 
 
 def request(**kw) -> c.RolloutRequest:
-    return c.RolloutRequest(run_id="r", group_id="g0", task_id=TASK.id, n_samples=1, dispatch_version=7,
-                            deadline=kw.pop("deadline", time.time() + 60), **kw)
+    return c.RolloutRequest(
+        run_id="r",
+        group_id="g0",
+        task_id=TASK.id,
+        n_samples=1,
+        dispatch_version=7,
+        deadline=kw.pop("deadline", time.time() + 60),
+        **kw,
+    )
 
 
 async def episode(engine, envpool, tools=(), **settings):
-    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0, tools=tools)
+    spec = EpisodeSpec(
+        request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0, tools=tools
+    )
     return await run_episode(spec, engine, TOK, envpool, RolloutSettings(**settings), trace.get_tracer("t"))
 
 
 async def test_multi_turn_episode_fixes_the_bug(envpool):
-    engine = ScriptedEngine([
-        "Let me look." + tool_call("read_file", path="calc.py") + tool_call("list_dir") + "<tool_call>{oops</tool_call>" + chat.EOS,
-        tool_call("edit_file", path="calc.py", old="a - b", new="a + b") + tool_call("frobnicate") + chat.EOS,
-        tool_call("run_terminal_cmd", command=TASK.test_command) + chat.EOS,
-        "Fixed: add now returns the sum." + chat.EOS,
-    ])
+    engine = ScriptedEngine(
+        [
+            "Let me look."
+            + tool_call("read_file", path="calc.py")
+            + tool_call("list_dir")
+            + "<tool_call>{oops</tool_call>"
+            + chat.EOS,
+            tool_call("edit_file", path="calc.py", old="a - b", new="a + b") + tool_call("frobnicate") + chat.EOS,
+            tool_call("run_terminal_cmd", command=TASK.test_command) + chat.EOS,
+            "Fixed: add now returns the sum." + chat.EOS,
+        ]
+    )
     t = await episode(engine, envpool, max_turns=6)
     assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "no_tool_call" and t.num_turns == 4
     assert t.malformed_tool_calls == 2  # bad JSON, unknown tool
     roles = [m.role for m in t.messages]
-    assert roles == ["system", "user", "assistant", "tool", "tool", "tool", "assistant", "tool", "tool", "assistant", "tool", "assistant"]
+    assert roles == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "tool",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     tools = [m.content for m in t.messages if m.role == "tool"]
     assert tools[0] == TASK.files["calc.py"] and tools[1] == "calc.py\ntest_calc.py"
     assert "not valid JSON" in json.loads(tools[2])["error"]
@@ -102,12 +127,16 @@ async def test_multi_turn_episode_fixes_the_bug(envpool):
 
 
 async def test_calls_with_bad_arguments_are_observations(envpool):
-    engine = ScriptedEngine([
-        tool_call("read_file", file="calc.py") + tool_call("edit_file", path="calc.py", old=3, new="x")
-        + tool_call("read_file", path="calc.py", start_line="one") + chat.EOS,
-        tool_call("read_file", path="calc.py") + chat.EOS,
-        "Nothing to fix." + chat.EOS,
-    ])  # fmt: skip
+    engine = ScriptedEngine(
+        [
+            tool_call("read_file", file="calc.py")
+            + tool_call("edit_file", path="calc.py", old=3, new="x")
+            + tool_call("read_file", path="calc.py", start_line="one")
+            + chat.EOS,
+            tool_call("read_file", path="calc.py") + chat.EOS,
+            "Nothing to fix." + chat.EOS,
+        ]
+    )
     # Room for the three calls of the first turn (the default budget would cut the third).
     t = await episode(engine, envpool, max_turns=4, max_new_tokens=512)
     assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "no_tool_call" and t.malformed_tool_calls == 3
@@ -122,16 +151,22 @@ async def test_calls_with_bad_arguments_are_observations(envpool):
 
 
 async def test_only_the_offered_tools_are_in_the_prompt_and_callable(envpool):
-    engine = ScriptedEngine([
-        tool_call("run_terminal_cmd", command=TASK.test_command) + tool_call("read_file", path="calc.py") + chat.EOS,
-        "Done." + chat.EOS,
-    ])
+    engine = ScriptedEngine(
+        [
+            tool_call("run_terminal_cmd", command=TASK.test_command)
+            + tool_call("read_file", path="calc.py")
+            + chat.EOS,
+            "Done." + chat.EOS,
+        ]
+    )
     t = await episode(engine, envpool, tools=("edit_file", "read_file"))
     system = TOK.decode(engine.prompts[0], skip_special_tokens=False)
     assert '"name": "read_file"' in system and '"name": "edit_file"' in system
     assert "run_terminal_cmd" not in system and "semantic_search" not in system
     observations = [m.content for m in t.messages if m.role == "tool"]
-    assert json.loads(observations[0]) == {"error": "unknown tool 'run_terminal_cmd'; available tools: read_file, edit_file"}
+    assert json.loads(observations[0]) == {
+        "error": "unknown tool 'run_terminal_cmd'; available tools: read_file, edit_file"
+    }
     assert observations[1] == TASK.files["calc.py"] and t.malformed_tool_calls == 1
 
 
@@ -167,15 +202,26 @@ async def test_first_turn_generates_while_the_sandbox_is_created(envpool, monkey
             return await super().generate(*a, **kw)
 
     monkeypatch.setattr(envpool, "create", slow_create)
-    t = await episode(Recording(["Reading." + tool_call("read_file", path="calc.py") + chat.EOS, "Done." + chat.EOS]), envpool)
+    t = await episode(
+        Recording(["Reading." + tool_call("read_file", path="calc.py") + chat.EOS, "Done." + chat.EOS]), envpool
+    )
     assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 2
     assert events == ["generate", "create-start", "create-done", "generate"]  # turn 1 did not wait for the sandbox
     assert "def " in t.messages[3].content  # the tool ran in the sandbox once it existed
 
 
 async def test_unknown_task_sandbox_is_an_infra_error(envpool):
-    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK.model_copy(update={"id": "nope"}), worker_id="w", seed=1, temperature=1.0)
-    t = await run_episode(spec, ScriptedEngine(["hi" + chat.EOS]), TOK, envpool, RolloutSettings(), trace.get_tracer("t"))
+    spec = EpisodeSpec(
+        request=request(),
+        sample_index=0,
+        task=TASK.model_copy(update={"id": "nope"}),
+        worker_id="w",
+        seed=1,
+        temperature=1.0,
+    )
+    t = await run_episode(
+        spec, ScriptedEngine(["hi" + chat.EOS]), TOK, envpool, RolloutSettings(), trace.get_tracer("t")
+    )
     assert t.status == c.TrajectoryStatus.INFRA_ERROR and "unknown_task" in t.infra_error and t.sandbox is None
 
 
@@ -207,18 +253,24 @@ async def test_suspended_mid_turn_resumes_with_each_token_tagged(envpool):
     suspend = asyncio.Event()
     turn = "Reading." + tool_call("read_file", path="calc.py") + chat.EOS
     engine = AbortingEngine([turn, "Done." + chat.EOS], cut=5, suspend=suspend)
-    spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0, max_staleness=1)
+    spec = EpisodeSpec(
+        request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0, max_staleness=1
+    )
     partial = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend)
     assert isinstance(partial, c.PartialSample) and partial.turn_tokens == 5 and partial.num_turns == 0
     assert partial.sandbox is not None and partial.oldest_version() == 7
     partial = c.PartialSample.model_validate_json(partial.model_dump_json())  # it travels as a message
 
     # Suspended again before generating anything: nothing is lost or added.
-    again = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    again = await run_episode(
+        spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial
+    )
     assert again == partial
     suspend.clear()
     engine.version = 8
-    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    t = await run_episode(
+        spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial
+    )
     assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 2 and t.finish_reason == "no_tool_call"
     assert t.messages[2].role == "assistant" and t.messages[2].content == turn.removesuffix(chat.EOS)
     assert t.messages[3].role == "tool" and t.messages[3].content == TASK.files["calc.py"]
@@ -232,7 +284,9 @@ async def test_suspended_mid_turn_resumes_with_each_token_tagged(envpool):
 
     # Two versions later the same partial is too stale to continue (max_staleness 1).
     engine.version = 9
-    stale = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    stale = await run_episode(
+        spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial
+    )
     assert isinstance(stale, Stale) and "2 versions old" in stale.detail
 
 
@@ -241,8 +295,12 @@ async def test_sandbox_lease_runs_to_the_group_deadline_plus_the_scoring_buffer(
 
     engine = ScriptedEngine(["Done." + chat.EOS])
     deadline = time.time() + 500
-    spec = EpisodeSpec(request=request(deadline=deadline), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
-    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(sandbox_score_buffer_s=120), trace.get_tracer("t"))
+    spec = EpisodeSpec(
+        request=request(deadline=deadline), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0
+    )
+    t = await run_episode(
+        spec, engine, TOK, envpool, RolloutSettings(sandbox_score_buffer_s=120), trace.get_tracer("t")
+    )
     stats = await envpool.stats(t.sandbox.node_id)
     async with httpx.AsyncClient(base_url=stats.http_url) as h:
         listing = (await h.get("/sandboxes")).json()["sandboxes"]
@@ -279,8 +337,11 @@ async def test_suspended_between_turns_resumes_token_for_token_elsewhere(envpool
     loop (another worker): the tokens the model generated are written as generated, not
     re-encoded from their text (the kept completions travel with it), so the trajectory
     is one segment and equals the one an uninterrupted run produces."""
-    turns = ["Reading." + tool_call("read_file", path="calc.py") + chat.EOS,
-             tool_call("list_dir") + chat.EOS, "Done." + chat.EOS]  # fmt: skip
+    turns = [
+        "Reading." + tool_call("read_file", path="calc.py") + chat.EOS,
+        tool_call("list_dir") + chat.EOS,
+        "Done." + chat.EOS,
+    ]
     spec = EpisodeSpec(request=request(), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
     whole = await run_episode(spec, SpelledEngine(list(turns)), TOK, envpool, RolloutSettings(), trace.get_tracer("t"))
     assert whole.status == c.TrajectoryStatus.FINISHED and whole.num_turns == 3 and not whole.segments
@@ -293,7 +354,9 @@ async def test_suspended_between_turns_resumes_token_for_token_elsewhere(envpool
     assert [k.at is not None for k in partial.episode.completions] == [True, True]
     partial = c.PartialSample.from_bytes(partial.to_bytes())
     suspend.clear()
-    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial)
+    t = await run_episode(
+        spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=partial
+    )
     assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 3 and not t.segments
     assert (t.token_ids, t.loss_mask, t.logprobs) == (whole.token_ids, whole.loss_mask, whole.logprobs)
     assert [m.content for m in t.messages] == [m.content for m in whole.messages]
@@ -307,7 +370,9 @@ async def test_suspended_between_turns_resumes_token_for_token_elsewhere(envpool
     old = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend)
     old = old.model_copy(update={"episode": None})
     suspend.clear()
-    t = await run_episode(spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=old)
+    t = await run_episode(
+        spec, engine, TOK, envpool, RolloutSettings(), trace.get_tracer("t"), suspend=suspend, resume=old
+    )
     assert t.status == c.TrajectoryStatus.FINISHED and t.num_turns == 3
     (seg,) = t.segments
     assert "does not extend" in seg.reason and seg.start > len(old.token_ids)
@@ -333,12 +398,15 @@ async def test_the_loop_speaks_the_configured_tool_format(envpool):
 async def test_a_command_past_the_turns_tool_time_is_an_observation_not_an_infra_error(envpool):
     """A slow command is the policy's own doing: env-pool kills it at what is left of the
     turn's tool time and answers within it, so the episode goes on (never infra_error)."""
-    engine = ScriptedEngine([
-        tool_call("run_terminal_cmd", command="sleep 60", timeout=60) + tool_call("run_terminal_cmd", command="echo later")
-        + chat.EOS,
-        tool_call("write_file", path="a/" * 130 + "x.py", content="x") + chat.EOS,
-        "Done." + chat.EOS,
-    ])  # fmt: skip
+    engine = ScriptedEngine(
+        [
+            tool_call("run_terminal_cmd", command="sleep 60", timeout=60)
+            + tool_call("run_terminal_cmd", command="echo later")
+            + chat.EOS,
+            tool_call("write_file", path="a/" * 130 + "x.py", content="x") + chat.EOS,
+            "Done." + chat.EOS,
+        ]
+    )
     t0 = time.monotonic()
     t = await episode(engine, envpool, max_turns=4, max_new_tokens=512, tool_timeout_s=2.0)
     assert time.monotonic() - t0 < 30  # the 60 s sleep was cut at the turn's 2 s
@@ -346,5 +414,7 @@ async def test_a_command_past_the_turns_tool_time_is_an_observation_not_an_infra
     slow, later, long_path = [m.content for m in t.messages if m.role == "tool"]
     assert "exit code: -9" in slow and "[killed: command exceeded its" in slow
     assert "this turn's time for tool calls was spent" in json.loads(later)["error"]
-    assert "131 levels long; workspace paths have at most 1024 characters and 128 levels" in json.loads(long_path)["error"]
+    assert (
+        "131 levels long; workspace paths have at most 1024 characters and 128 levels" in json.loads(long_path)["error"]
+    )
     assert t.final_diff.changed == {} and not t.final_diff.truncated

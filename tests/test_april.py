@@ -12,12 +12,11 @@ trains."""
 from __future__ import annotations
 
 import pytest
+from harness import InProcessPlatform, experiment, wait_run_ended
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, StepRecord, TaskGroup, TrajectoryRecord
-
-from harness import InProcessPlatform, experiment, wait_run_ended
 
 # Generations of about a second, with a tail of several (p90 ~ 4 s), against learner steps
 # of about a second: when a batch fills, other groups are still generating, so aborts
@@ -38,13 +37,23 @@ async def _dropped_log(bus, run_id: str) -> list[c.GroupDropped]:
 
 async def _april_run(nats_server, bus, pg_url, run_dir, max_dropped_groups=100, reward=None, **algorithm):
     exp = experiment(
-        run_dir, nats_server.url, pg_url,
-        algorithm={"mode": "april", "steps": 4, "groups_per_step": 2, "samples_per_group": 2, "overprovision": 2.0,
-                   "max_staleness": 2, "group_deadline_s": 120, **algorithm},
+        run_dir,
+        nats_server.url,
+        pg_url,
+        algorithm={
+            "mode": "april",
+            "steps": 4,
+            "groups_per_step": 2,
+            "samples_per_group": 2,
+            "overprovision": 2.0,
+            "max_staleness": 2,
+            "group_deadline_s": 120,
+            **algorithm,
+        },
         rollout={"engine": "sim", "sim": SIM, "concurrent_groups": 8, "max_turns": 1, "max_new_tokens": 400},
         learner={"max_dropped_groups": max_dropped_groups, "deadline_check_s": 0.5},
         **({"reward": reward} if reward else {}),
-    )  # fmt: skip
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
     db = Database(pg_url)
@@ -88,7 +97,9 @@ async def test_partial_rollout_false_discards_aborted_tokens(nats_server, bus, p
     # max_staleness 0: nothing new is generated under an old version (no overlap with the
     # learner's step), so a kept token of an aborted generation would be stale (rollout
     # would abandon its group); discarded, the sample starts again under the new version.
-    groups, trained, health = await _april_run(nats_server, bus, pg_url, run_dir, partial_rollout=False, max_staleness=0)
+    groups, trained, health = await _april_run(
+        nats_server, bus, pg_url, run_dir, partial_rollout=False, max_staleness=0
+    )
     assert health["suspended"] > 0 and health["abandoned"] == 0, health
     # Regenerated from scratch: every trained sample was generated under one version.
     for t in trained:
@@ -119,7 +130,9 @@ async def test_uniform_groups_are_replaced_up_to_the_budget(nats_server, bus, pg
     # Every sim sample fails its tests (reward 0), so every group is uniform: each step drops
     # exactly 2 as no_signal and replaces them, then trains uniform ones (the run still ends),
     # and those drops do not count against max_dropped_groups (1 here).
-    groups, trained, _ = await _april_run(nats_server, bus, pg_url, run_dir, max_dropped_groups=1, uniform_group_retries=2)
+    groups, trained, _ = await _april_run(
+        nats_server, bus, pg_url, run_dir, max_dropped_groups=1, uniform_group_retries=2
+    )
     filtered = [g for g in groups if g.reason == "no_signal"]
     assert len(filtered) == 2 * 4, [(g.group_id, g.reason) for g in groups if g.status == "dropped"]
     assert all(g.detail == "all 2 samples scored 0.0" for g in filtered)

@@ -17,15 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attacks_in_process as inproc
 import pytest
 from fastapi.testclient import TestClient
 
-import attacks_in_process as inproc
 from kiln.shared.dashboard.app import create_app
 from kiln.shared.db import Database
 from kiln.shared.embedded import PostgresServer
-from kiln.shared.tasks import BUILTIN
-from kiln.shared.tasks import load_suite
+from kiln.shared.tasks import BUILTIN, load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 KILN = [sys.executable, "-m", "kiln.shared.cli"]
@@ -35,26 +34,36 @@ CALC = load_suite("builtin").get("fix-calc")
 def write_call(path: str, content: str) -> str:
     # one line (JSON escapes the content's newlines): `kiln run` writes its resolved
     # config.toml with basic strings, which cannot hold a raw newline
-    return "<tool_call>" + json.dumps({"name": "write_file", "arguments": {"path": path, "content": content}}) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": "write_file", "arguments": {"path": path, "content": content}})
+        + "</tool_call>"
+    )
 
 
 @pytest.mark.timeout(600)
 def test_forged_events_and_swapped_code_score_zero_through_kiln_run(tmp_path):
     suite = tmp_path / "calc.jsonl"
-    suite.write_text(next(line for line in BUILTIN.read_text().splitlines() if json.loads(line)["id"] == "fix-calc") + "\n")
+    suite.write_text(
+        next(line for line in BUILTIN.read_text().splitlines() if json.loads(line)["id"] == "fix-calc") + "\n"
+    )
     bug = CALC.files["calc.py"]
-    episodes = [["I will make the tests pass." + write_call("calc.py", attack + bug), "Done."]
-                for attack in (inproc.FORGE_EVENTS, inproc.SWAP_CODE)]  # fmt: skip
+    episodes = [
+        ["I will make the tests pass." + write_call("calc.py", attack + bug), "Done."]
+        for attack in (inproc.FORGE_EVENTS, inproc.SWAP_CODE)
+    ]
     config = tmp_path / "attack.toml"
     config.write_text(
         f"include = [{json.dumps(str(REPO / 'configs' / 'smoke.toml'))}]\n\n"
         f"[run]\nroot = {json.dumps(str(tmp_path / 'runs'))}\n\n"
-        f"[tasks]\nsuite = {json.dumps(str(suite))}\ntools = [\"write_file\"]\n\n"
+        f'[tasks]\nsuite = {json.dumps(str(suite))}\ntools = ["write_file"]\n\n'
         "[algorithm]\nsteps = 2\n\n"
-        "[rollout]\nengine = \"scripted\"\nmax_new_tokens = 1536\nmax_total_tokens = 4096\n\n"
+        '[rollout]\nengine = "scripted"\nmax_new_tokens = 1536\nmax_total_tokens = 4096\n\n'
         f"[rollout.scripted]\nepisodes = {json.dumps(episodes)}\n"
     )
-    proc = subprocess.run([*KILN, "run", "--config", str(config)], capture_output=True, text=True, timeout=540, cwd=REPO)
+    proc = subprocess.run(
+        [*KILN, "run", "--config", str(config)], capture_output=True, text=True, timeout=540, cwd=REPO
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     run_dir = next((tmp_path / "runs").iterdir())
@@ -81,13 +90,18 @@ def test_forged_events_and_swapped_code_score_zero_through_kiln_run(tmp_path):
         pg.stop()
     scored = [t for t in trajectories if t.reward is not None]
     assert len(scored) >= 8, [(t.trajectory_id, t.reward, t.failure) for t in trajectories]
-    wrong = [(t.trajectory_id, t.reward, t.failure, t.failure_detail) for t in scored
-             if t.reward != 0.0 or t.infra_error or t.failure not in ("incomplete", "tampered")]  # fmt: skip
+    wrong = [
+        (t.trajectory_id, t.reward, t.failure, t.failure_detail)
+        for t in scored
+        if t.reward != 0.0 or t.infra_error or t.failure not in ("incomplete", "tampered")
+    ]
     assert not wrong, wrong
     failures = {t.failure for t in scored}
     assert failures == {"incomplete", "tampered"}, failures  # both attacks were played, both scored 0
     swapped = next(t for t in scored if t.failure == "tampered")
-    assert any("code of TestCalc.test_add_positive was replaced" in x for x in swapped.integrity["tampered"]), swapped.integrity
+    assert any("code of TestCalc.test_add_positive was replaced" in x for x in swapped.integrity["tampered"]), (
+        swapped.integrity
+    )
     # the dashboard's integrity table counts them per version, with each failure reason
     assert sum(row["tampered"] for row in api["integrity"]) == sum(t.failure == "tampered" for t in scored)
     assert api["failures"]["tampered"] >= 1 and api["failures"]["incomplete"] >= 1, api["failures"]

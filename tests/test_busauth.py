@@ -27,7 +27,9 @@ def server(tmp_path):
 
 
 async def connect(nats, creds, who: str, **kw) -> Bus:
-    return await Bus.connect(NatsSettings(url=nats.url, user=who, password=creds.users[who], connect_timeout_s=3, **kw), who)
+    return await Bus.connect(
+        NatsSettings(url=nats.url, user=who, password=creds.users[who], connect_timeout_s=3, **kw), who
+    )
 
 
 def checkpoint() -> c.PolicyCheckpoint:
@@ -59,12 +61,24 @@ async def test_each_service_publishes_only_what_it_may(server):
         # ...the learner can, and rollout publishes its trajectories
         await learner.publish(c.WEIGHTS_CHECKPOINT, checkpoint())
         await learner.publish(c.ROLLOUT_WORK, req, msg_id="g")
-        traj = c.Trajectory(run_id="r", trajectory_id="t", group_id="g", task_id="t", sample_index=0, dispatch_version=0,
-                            status=c.TrajectoryStatus.FINISHED, token_ids=[], logprobs=[], token_versions=[], loss_mask=[])  # fmt: skip
+        traj = c.Trajectory(
+            run_id="r",
+            trajectory_id="t",
+            group_id="g",
+            task_id="t",
+            sample_index=0,
+            dispatch_version=0,
+            status=c.TrajectoryStatus.FINISHED,
+            token_ids=[],
+            logprobs=[],
+            token_versions=[],
+            loss_mask=[],
+        )
         await rollout.publish(c.TRAJECTORY_FINISHED, traj, msg_id="t")
         # only rollout and reward drive sandboxes: the learner's request never reaches env-pool
         envpool = await connect(nats, creds, "env-pool")
         try:
+
             async def created(req: c.SandboxCreate) -> c.SandboxCreated:
                 return c.SandboxCreated(sandbox=c.SandboxRef(node_id="n", sandbox_id="s"), workspace="/w")
 

@@ -13,7 +13,7 @@ import re
 import signal
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -28,14 +28,28 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = "fake"
 # Short ack waits: a killed worker's unacked work comes back in seconds, not minutes
 # (in-progress heartbeats keep slow work from being redelivered under a live worker).
-FAST = ["--set", "nats.ack_wait_s.reward-workers=10", "--set", "nats.ack_wait_s.rollout-workers=10",
-        "--set", "nats.ack_wait_s.learner=15", "--set", "nats.ack_wait_s.weights-writers=10",
-        "--set", "local.restart_backoff_s=0.2"]  # fmt: skip
+FAST = [
+    "--set",
+    "nats.ack_wait_s.reward-workers=10",
+    "--set",
+    "nats.ack_wait_s.rollout-workers=10",
+    "--set",
+    "nats.ack_wait_s.learner=15",
+    "--set",
+    "nats.ack_wait_s.weights-writers=10",
+    "--set",
+    "local.restart_backoff_s=0.2",
+]
 
 
 def chaos(tmp_path: Path, *args: str, timeout: float) -> str:
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--root", str(tmp_path), *FAST, *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "chaos.py"), "--root", str(tmp_path), *FAST, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     return out
@@ -44,7 +58,9 @@ def chaos(tmp_path: Path, *args: str, timeout: float) -> str:
 def assert_survived(out: str, kills: int, targets: set[str]) -> None:
     assert f"kills survived: {kills} of {kills}" in out, out[-6000:]
     assert "groups lost: 0 " in out and "invariants: all hold" in out, out[-6000:]
-    killed = {m.group(1) for m in re.finditer(r"^\| \d+ \| (\S+) \| \S+ \| \d+ \| \d+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.M)}
+    killed = {
+        m.group(1) for m in re.finditer(r"^\| \d+ \| (\S+) \| \S+ \| \d+ \| \d+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.M)
+    }
     assert killed == targets, out[-6000:]
     # Each malformed message published on purpose is dead-lettered (twice if a kill lost the first ack), nothing else is.
     assert re.search(r"dead letters: (\d+) \(\1 deliberate, of 2 malformed messages", out), out[-6000:]
@@ -52,7 +68,9 @@ def assert_survived(out: str, kills: int, targets: set[str]) -> None:
 
 @pytest.mark.timeout(400)
 def test_a_short_chaos_run_survives_kills_of_nats_and_services(tmp_path):
-    out = chaos(tmp_path, "--steps", "4", "--kills", "3", "--targets", "nats,reward,rollout", "--seed", "3", timeout=380)
+    out = chaos(
+        tmp_path, "--steps", "4", "--kills", "3", "--targets", "nats,reward,rollout", "--seed", "3", timeout=380
+    )
     assert_survived(out, 3, {"nats", "reward", "rollout"})
 
 
@@ -79,12 +97,24 @@ def _version(store: Path, v: int) -> PolicyVersion:
     folder.mkdir(parents=True)
     data = f"weights of version {v}".encode() * 10
     (folder / "w.bin").write_bytes(data)
-    m = c.WeightsManifest(run_id=RUN, version=v, step=v, parent_version=v - 1 if v else None,
-                          files=[c.FileInfo(path="w.bin", size=len(data), sha256=hashlib.sha256(data).hexdigest())], tensors={})  # fmt: skip
+    m = c.WeightsManifest(
+        run_id=RUN,
+        version=v,
+        step=v,
+        parent_version=v - 1 if v else None,
+        files=[c.FileInfo(path="w.bin", size=len(data), sha256=hashlib.sha256(data).hexdigest())],
+        tensors={},
+    )
     body = m.model_dump_json(by_alias=True).encode()
     (folder / "manifest.json").write_bytes(body)
-    return PolicyVersion(run_id=RUN, version=v, step=v, parent_version=m.parent_version, path=str(folder),
-                         manifest_sha256=hashlib.sha256(body).hexdigest())  # fmt: skip
+    return PolicyVersion(
+        run_id=RUN,
+        version=v,
+        step=v,
+        parent_version=m.parent_version,
+        path=str(folder),
+        manifest_sha256=hashlib.sha256(body).hexdigest(),
+    )
 
 
 async def fake_run(tmp_path: Path) -> str:
@@ -92,24 +122,69 @@ async def fake_run(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'kiln.db'}"
     await asyncio.to_thread(upgrade, url)
     db = Database(url)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     try:
         async with db.session() as s:
-            s.add(Run(id=RUN, name=RUN, status="finished", config={"algorithm": {"steps": 2, "groups_per_step": 1, "max_staleness": 0, "mode": "async"}}))
+            s.add(
+                Run(
+                    id=RUN,
+                    name=RUN,
+                    status="finished",
+                    config={"algorithm": {"steps": 2, "groups_per_step": 1, "max_staleness": 0, "mode": "async"}},
+                )
+            )
             await s.flush()
             for v in range(3):
                 s.add(_version(tmp_path / "store", v))
-            for i, (status, reason, tv) in enumerate([("trained", None, 1), ("trained", None, 2), ("dropped", "stale", None)]):
+            for i, (status, reason, tv) in enumerate(
+                [("trained", None, 1), ("trained", None, 2), ("dropped", "stale", None)]
+            ):
                 gid = f"{RUN}-g{i:06d}"
                 dv = (tv or 1) - 1
-                s.add(TaskGroup(group_id=gid, run_id=RUN, task_id="t", n_samples=2, dispatch_version=dv, status=status,
-                                reason=reason, trained_version=tv, deadline=now))  # fmt: skip
+                s.add(
+                    TaskGroup(
+                        group_id=gid,
+                        run_id=RUN,
+                        task_id="t",
+                        n_samples=2,
+                        dispatch_version=dv,
+                        status=status,
+                        reason=reason,
+                        trained_version=tv,
+                        deadline=now,
+                    )
+                )
                 for k in range(2):
-                    s.add(TrajectoryRecord(trajectory_id=f"{gid}-s{k}", run_id=RUN, group_id=gid, task_id="t", sample_index=k,
-                                           dispatch_version=dv, min_version=dv, max_version=dv, trained_version=tv))  # fmt: skip
+                    s.add(
+                        TrajectoryRecord(
+                            trajectory_id=f"{gid}-s{k}",
+                            run_id=RUN,
+                            group_id=gid,
+                            task_id="t",
+                            sample_index=k,
+                            dispatch_version=dv,
+                            min_version=dv,
+                            max_version=dv,
+                            trained_version=tv,
+                        )
+                    )
             for step in range(2):
-                s.add(StepRecord(run_id=RUN, step=step, version=step + 1, trajectories=2, mean_reward=0, pass_rate=0, loss=0,
-                                 mean_staleness=0, max_staleness=0, step_seconds=1, wait_seconds=1, elapsed_seconds=1))  # fmt: skip
+                s.add(
+                    StepRecord(
+                        run_id=RUN,
+                        step=step,
+                        version=step + 1,
+                        trajectories=2,
+                        mean_reward=0,
+                        pass_rate=0,
+                        loss=0,
+                        mean_staleness=0,
+                        max_staleness=0,
+                        step_seconds=1,
+                        wait_seconds=1,
+                        elapsed_seconds=1,
+                    )
+                )
     finally:
         await db.close()
     return url
@@ -127,18 +202,42 @@ async def _apply(url: str, *stmts) -> None:
 
 G1, T1 = f"{RUN}-g000001", f"{RUN}-g000001-s0"
 BROKEN = {
-    "a group never ended": (update(TaskGroup).where(TaskGroup.group_id == G1).values(status="dispatched", trained_version=None), r"still 'dispatched'"),
-    "a drop without a reason": (update(TaskGroup).where(TaskGroup.group_id == f"{RUN}-g000002").values(reason=None), r"dropped with reason None"),
-    "a token newer than its trainer": (update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == T1).values(max_version=2), r"newer than it"),
-    "a token staler than allowed": (update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == T1).values(min_version=0), r"max staleness 0"),
-    "a trained sample not stamped": (update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == T1).values(trained_version=None), r"rows are stamped"),
-    "a dropped group's sample stamped": (update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == f"{RUN}-g000002-s0").values(trained_version=2), r"its group is dropped"),
-    "a step without its batch": (update(TaskGroup).where(TaskGroup.group_id == G1).values(trained_version=1), r"version 2: 0 groups trained"),
+    "a group never ended": (
+        update(TaskGroup).where(TaskGroup.group_id == G1).values(status="dispatched", trained_version=None),
+        r"still 'dispatched'",
+    ),
+    "a drop without a reason": (
+        update(TaskGroup).where(TaskGroup.group_id == f"{RUN}-g000002").values(reason=None),
+        r"dropped with reason None",
+    ),
+    "a token newer than its trainer": (
+        update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == T1).values(max_version=2),
+        r"newer than it",
+    ),
+    "a token staler than allowed": (
+        update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == T1).values(min_version=0),
+        r"max staleness 0",
+    ),
+    "a trained sample not stamped": (
+        update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == T1).values(trained_version=None),
+        r"rows are stamped",
+    ),
+    "a dropped group's sample stamped": (
+        update(TrajectoryRecord).where(TrajectoryRecord.trajectory_id == f"{RUN}-g000002-s0").values(trained_version=2),
+        r"its group is dropped",
+    ),
+    "a step without its batch": (
+        update(TaskGroup).where(TaskGroup.group_id == G1).values(trained_version=1),
+        r"version 2: 0 groups trained",
+    ),
     "a step never recorded": (delete(StepRecord).where(StepRecord.step == 1), r"steps recorded \[0\]"),
     "a version missing": (delete(PolicyVersion).where(PolicyVersion.version == 1), r"policy versions \[0, 2\]"),
-    "a manifest not the registered one": (update(PolicyVersion).where(PolicyVersion.version == 2).values(manifest_sha256="0" * 64), r"sha256 differs"),
+    "a manifest not the registered one": (
+        update(PolicyVersion).where(PolicyVersion.version == 2).values(manifest_sha256="0" * 64),
+        r"sha256 differs",
+    ),
     "a gap in the dispatch sequence": (delete(TaskGroup).where(TaskGroup.group_id == G1), r"not the dispatch sequence"),
-}  # fmt: skip
+}
 
 
 async def test_the_checker_passes_a_consistent_run(tmp_path):
@@ -177,7 +276,8 @@ def test_the_host_check_finds_a_leftover_process_and_workspace(tmp_path):
     ws = tmp_path / "shm" / "env-pool-0-999999"
     ws.mkdir(parents=True)
     (run_dir / "logs" / "env-pool-0.log").write_text(
-        f'{{"msg": "env-pool node env-pool-0 serving: backend bwrap, cgroups v1, capacity 4, workspaces in {ws}, HTTP on x"}}\n')
+        f'{{"msg": "env-pool node env-pool-0 serving: backend bwrap, cgroups v1, capacity 4, workspaces in {ws}, HTTP on x"}}\n'
+    )
     incarnations = inv.envpool_incarnations(run_dir, {"env-pool-0": {999998}})
     assert incarnations == {"env-pool-0-999999": {ws}, "env-pool-0-999998": set()}
     leftover = subprocess.Popen(["sleep", "300"], env={**os.environ, "KILN_CONFIG": str(run_dir / "config.toml")})
@@ -211,7 +311,9 @@ async def test_the_bus_check_tells_deliberate_dead_letters_from_others(tmp_path)
         bus = await Bus.connect(NatsSettings(url=server.url), "test")
         dlq = f"{c.DEAD_LETTER_PREFIX}.{c.TRAJECTORY_SCORED}"
         await bus.js.publish(dlq, inv.BAD_INPUT_MARKER + b" m1 {not json", headers={c.HDR_DLQ_REASON: "invalid"})
-        await bus.js.publish(dlq, b'{"real": 1}', headers={c.HDR_DLQ_REASON: "handler raised", c.HDR_DLQ_SERVICE: "learner"})
+        await bus.js.publish(
+            dlq, b'{"real": 1}', headers={c.HDR_DLQ_REASON: "handler raised", c.HDR_DLQ_SERVICE: "learner"}
+        )
         await bus.publish(c.GROUP_DROPPED, c.GroupDropped(run_id=RUN, group_id="g0", reason="stale"))
         await bus.publish(c.GROUP_DROPPED, c.GroupDropped(run_id=RUN, group_id="g1", reason="stale"))
         await bus.close()
@@ -240,13 +342,31 @@ async def test_a_learner_killed_after_its_commit_writes_the_steps_row_on_resume(
     from kiln.learner.state import Checkpointer, Meta
     from kiln.learner.trainer import Trainer
 
-    m = c.StepMetrics(run_id=RUN, step=2, version=3, groups=1, trajectories=2, mean_reward=0.5, pass_rate=0.5, loss=0.1,
-                      infra_errors=0, dropped_groups=0, mean_staleness=0, max_staleness=0, step_seconds=1, wait_seconds=1,
-                      tokens=10, elapsed_seconds=5)  # fmt: skip
+    m = c.StepMetrics(
+        run_id=RUN,
+        step=2,
+        version=3,
+        groups=1,
+        trajectories=2,
+        mean_reward=0.5,
+        pass_rate=0.5,
+        loss=0.1,
+        infra_errors=0,
+        dropped_groups=0,
+        mean_staleness=0,
+        max_staleness=0,
+        step_seconds=1,
+        wait_seconds=1,
+        tokens=10,
+        elapsed_seconds=5,
+    )
     # Through the checkpoint's meta.json, as a resumed learner reads it.
     ckpt = Checkpointer(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "step-000003").mkdir(parents=True)
-    ckpt._commit(tmp_path / "ckpt" / "step-000003", Meta(step=3, version=3, trained_groups=["g"], metrics=m.model_dump(mode="json")))
+    ckpt._commit(
+        tmp_path / "ckpt" / "step-000003",
+        Meta(step=3, version=3, trained_groups=["g"], metrics=m.model_dump(mode="json")),
+    )
     meta = ckpt.latest()
 
     calls = []

@@ -18,7 +18,10 @@ def test_renderers_match_the_chat_template():
     messages = [
         {"role": "system", "content": chat.SYSTEM_PROMPT},
         {"role": "user", "content": "fix calc.py"},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "read_file", "arguments": {"path": "calc.py"}}\n</tool_call>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "read_file", "arguments": {"path": "calc.py"}}\n</tool_call>',
+        },
         {"role": "tool", "content": "def add(a, b): ..."},
         {"role": "tool", "content": '{"error": "no"}'},
         {"role": "assistant", "content": "done"},
@@ -27,9 +30,15 @@ def test_renderers_match_the_chat_template():
     ours = (
         chat.render_system(chat.SYSTEM_PROMPT, tool_schemas())
         + chat.render_user("fix calc.py")
-        + chat.assistant_prefix() + messages[2]["content"] + chat.EOS + "\n"
+        + chat.assistant_prefix()
+        + messages[2]["content"]
+        + chat.EOS
+        + "\n"
         + chat.render_tool_results(["def add(a, b): ...", '{"error": "no"}'])
-        + chat.assistant_prefix() + "done" + chat.EOS + "\n"
+        + chat.assistant_prefix()
+        + "done"
+        + chat.EOS
+        + "\n"
         + chat.assistant_prefix()
     )
     assert jinja == ours

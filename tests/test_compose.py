@@ -252,17 +252,25 @@ def test_kiln_service_has_a_healthcheck_on_its_health_file(compose, folder):
     hc = svc.get("healthcheck")
     assert isinstance(hc, dict) and not hc.get("disable"), f"compose service {folder!r} has no healthcheck"
     argv = _healthcheck_argv(hc)
-    assert argv[:2] == ["kiln", "health"], f"compose service {folder!r}: healthcheck runs {argv}, expected `kiln health --file ...`"
-    assert "--file" in argv and argv.index("--file") + 1 < len(argv), f"compose service {folder!r}: healthcheck has no --file"
+    assert argv[:2] == ["kiln", "health"], (
+        f"compose service {folder!r}: healthcheck runs {argv}, expected `kiln health --file ...`"
+    )
+    assert "--file" in argv and argv.index("--file") + 1 < len(argv), (
+        f"compose service {folder!r}: healthcheck has no --file"
+    )
     health_file = _env(svc).get("KILN_TELEMETRY__HEALTH_FILE", "")
-    assert health_file, f"compose service {folder!r} sets no KILN_TELEMETRY__HEALTH_FILE, so nothing writes the file its healthcheck reads"
+    assert health_file, (
+        f"compose service {folder!r} sets no KILN_TELEMETRY__HEALTH_FILE, so nothing writes the file its healthcheck reads"
+    )
     checked = argv[argv.index("--file") + 1]
     assert checked == health_file.replace("{service}", folder), (
         f"compose service {folder!r}: healthcheck reads {checked} but the service writes {health_file.replace('{service}', folder)}"
     )
     if "--max-age" in argv:
         max_age = float(argv[argv.index("--max-age") + 1])
-        assert max_age > 5, f"compose service {folder!r}: --max-age {max_age} is below the 5 s heartbeat of the health file"
+        assert max_age > 5, (
+            f"compose service {folder!r}: --max-age {max_age} is below the 5 s heartbeat of the health file"
+        )
 
 
 @pytest.mark.parametrize("folder", SERVICE_FOLDERS)
@@ -301,7 +309,9 @@ def test_database_users_get_the_url_and_wait_for_migrate(compose, registry, fold
             f"compose service {folder!r} gets KILN_DATABASE__URL but {cls.__name__} has no database section"
         )
         return
-    assert env.get("KILN_DATABASE__URL"), f"{folder} uses the database ({cls.__name__}.database) but gets no KILN_DATABASE__URL"
+    assert env.get("KILN_DATABASE__URL"), (
+        f"{folder} uses the database ({cls.__name__}.database) but gets no KILN_DATABASE__URL"
+    )
     assert _depends(svc).get(MIGRATE) == "service_completed_successfully", (
         f"{folder} uses the database but does not depend on {MIGRATE!r} with condition service_completed_successfully"
     )
@@ -313,7 +323,9 @@ def test_migrate_upgrades_the_same_database(compose, registry):
     argv = cmd if isinstance(cmd, list) else shlex.split(cmd or "")
     assert argv[:3] == ["kiln", "db", "upgrade"], f"{MIGRATE} runs {argv}, expected `kiln db upgrade`"
     built = _build(mig)
-    assert built and built[1] == _dockerfile("weights").resolve(), f"{MIGRATE} is not built from services/weights/Dockerfile"
+    assert built and built[1] == _dockerfile("weights").resolve(), (
+        f"{MIGRATE} is not built from services/weights/Dockerfile"
+    )
     assert _depends(mig).get("postgres") == "service_healthy", f"{MIGRATE} does not wait for postgres (service_healthy)"
     assert str(mig.get("restart", "no")) in ("no", "False", "false", "on-failure"), (
         f"{MIGRATE} is one-shot; restart {mig.get('restart')!r} would rerun it forever"
@@ -325,7 +337,9 @@ def test_migrate_upgrades_the_same_database(compose, registry):
     assert len(set(urls.values())) == 1, f"services disagree on KILN_DATABASE__URL: {urls}"
     url = urlsplit(urls[MIGRATE])
     pg = _env(_service(compose, "postgres"))
-    assert url.scheme.startswith("postgres") and url.hostname == "postgres", f"KILN_DATABASE__URL {urls[MIGRATE]!r} is not the postgres service"
+    assert url.scheme.startswith("postgres") and url.hostname == "postgres", (
+        f"KILN_DATABASE__URL {urls[MIGRATE]!r} is not the postgres service"
+    )
     assert (url.username, url.password, url.path.lstrip("/")) == (
         pg.get("POSTGRES_USER"),
         pg.get("POSTGRES_PASSWORD"),
@@ -380,7 +394,9 @@ def test_service_config_resolves_from_the_compose_environment(compose, registry,
         pytest.fail(f"{folder}: {cls.__name__} does not load from the compose environment and {config_file}: {e}")
     assert cfg.run.id, f"{folder}: run.id resolves empty; rollout and learner refuse to start without one"
     assert cfg.run.dir == env.get("KILN_RUN__DIR"), f"{folder}: run.dir resolves to {cfg.run.dir!r}, not KILN_RUN__DIR"
-    assert cfg.nats.url == env.get("KILN_NATS__URL"), f"{folder}: nats.url resolves to {cfg.nats.url!r}, not KILN_NATS__URL"
+    assert cfg.nats.url == env.get("KILN_NATS__URL"), (
+        f"{folder}: nats.url resolves to {cfg.nats.url!r}, not KILN_NATS__URL"
+    )
     if "database" in cls.model_fields:
         assert cfg.database.url, f"{folder}: database.url resolves empty"
 
@@ -404,14 +420,20 @@ def test_run_data_is_shared_at_run_dir(compose):
         for key in ("KILN_WEIGHTS__STORE_DIR", "KILN_LEARNER__STAGING_DIR"):
             if env.get(key):
                 p = PurePosixPath(env[key])
-                assert PurePosixPath(run_dir) in p.parents, f"{name}: {key}={p} is outside the shared volume at {run_dir}"
-    assert len(set(sources.values())) == 1, f"weights, learner and rollout must share one volume at one path; they mount {sources}"
+                assert PurePosixPath(run_dir) in p.parents, (
+                    f"{name}: {key}={p} is outside the shared volume at {run_dir}"
+                )
+    assert len(set(sources.values())) == 1, (
+        f"weights, learner and rollout must share one volume at one path; they mount {sources}"
+    )
 
 
 def test_scalable_services_have_no_fixed_name_or_host_ports(compose):
     for name in SCALABLE:
         svc = _service(compose, name)
-        assert "container_name" not in svc, f"{name} has container_name {svc['container_name']!r}: `--scale {name}=N` would fail"
+        assert "container_name" not in svc, (
+            f"{name} has container_name {svc['container_name']!r}: `--scale {name}=N` would fail"
+        )
         assert not svc.get("ports"), f"{name} publishes host ports {svc['ports']}: replicas would collide on them"
         assert svc.get("network_mode") != "host", f"{name} uses network_mode host: replicas would collide on ports"
 
@@ -433,13 +455,15 @@ def test_published_ports_bind_loopback_only(compose):
             ip, desc = _published(port)
             assert ip == LOOPBACK, (
                 f"{name}: port {desc!r} is published on {ip or 'every interface'}; bind it to {LOOPBACK} "
-                f"(e.g. \"{LOOPBACK}:PORT:PORT\")"
+                f'(e.g. "{LOOPBACK}:PORT:PORT")'
             )
 
 
 def test_jaeger_ui_is_published_on_loopback(compose):
     ports = [_published(p) for p in _service(compose, "jaeger").get("ports") or []]
-    assert any(desc.startswith(f"{LOOPBACK}:16686:") for _, desc in ports), f"jaeger does not publish its UI on {LOOPBACK}:16686 ({ports})"
+    assert any(desc.startswith(f"{LOOPBACK}:16686:") for _, desc in ports), (
+        f"jaeger does not publish its UI on {LOOPBACK}:16686 ({ports})"
+    )
 
 
 def test_named_volumes_are_declared(compose):
@@ -470,7 +494,9 @@ def test_kiln_config_file_exists_in_the_repository(compose):
         seen += 1
         host = _host_path(svc, value)
         assert host, f"{name}: KILN_CONFIG={value} is not inside any bind mount of the repository"
-        assert host.is_file(), f"{name}: KILN_CONFIG={value} is {host.relative_to(ROOT)} on the host, which does not exist"
+        assert host.is_file(), (
+            f"{name}: KILN_CONFIG={value} is {host.relative_to(ROOT)} on the host, which does not exist"
+        )
         load_toml(host)  # parses, includes resolved
     assert seen, "no service sets KILN_CONFIG: the experiment file is never read"
 
@@ -481,14 +507,18 @@ def test_urls_point_at_compose_services(compose):
         for key, val in _kiln_env(svc).items():
             url = urlsplit(val)
             if url.scheme and url.netloc and url.hostname:
-                assert url.hostname in names, f"{name}: {key}={val} points at host {url.hostname!r}, which is no compose service"
+                assert url.hostname in names, (
+                    f"{name}: {key}={val} points at host {url.hostname!r}, which is no compose service"
+                )
 
 
 def test_docker_compose_accepts_the_file():
     docker = shutil.which("docker")
     if not docker or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("the docker compose plugin is not installed")
-    r = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True, cwd=ROOT
+    )
     assert r.returncode == 0, f"docker compose config rejects docker-compose.yml:\n{r.stderr}"
 
 
@@ -497,7 +527,9 @@ def test_env_pool_can_start_bubblewrap_sandboxes(compose):
     svc = _service(compose, "env-pool")
     opts = set(svc.get("security_opt", []))
     assert "seccomp=unconfined" in opts, "env-pool needs seccomp=unconfined for bubblewrap's namespaces"
-    assert "systempaths=unconfined" in opts, "bubblewrap mounts /proc, refused while the container's /proc has masked paths"
+    assert "systempaths=unconfined" in opts, (
+        "bubblewrap mounts /proc, refused while the container's /proc has masked paths"
+    )
     assert "privileged" not in svc and not svc.get("cap_add"), "env-pool must not be privileged"
     size = str(svc.get("shm_size", "64mb")).lower()
     assert size.endswith("gb") or int(re.sub(r"\D", "", size) or 0) >= 1024, "workspaces need more /dev/shm than 64 MB"
@@ -516,7 +548,9 @@ def test_every_kiln_service_exposes_metrics_prometheus_scrapes(compose, registry
         for sd in job["dns_sd_configs"]:
             for name in sd["names"]:
                 targets[name] = sd["port"]
-    assert set(registry) <= set(targets) <= set(compose["services"]), f"Prometheus scrapes {sorted(targets)}, the services are {sorted(registry)}"
+    assert set(registry) <= set(targets) <= set(compose["services"]), (
+        f"Prometheus scrapes {sorted(targets)}, the services are {sorted(registry)}"
+    )
     for name, port in targets.items():
         env = _env(_service(compose, name))
         if name == "env-pool":  # its operator API serves /metrics
@@ -526,7 +560,9 @@ def test_every_kiln_service_exposes_metrics_prometheus_scrapes(compose, registry
             assert env["KILN_TELEMETRY__METRICS_HOST"] == "0.0.0.0" and env["KILN_TELEMETRY__METRICS_TOKEN"], name
     prometheus = _service(compose, "prometheus")
     assert "METRICS_TOKEN" in str(prometheus["entrypoint"])
-    assert _env(prometheus)["METRICS_TOKEN"] == env["KILN_TELEMETRY__METRICS_TOKEN"], "Prometheus scrapes with another token"
+    assert _env(prometheus)["METRICS_TOKEN"] == env["KILN_TELEMETRY__METRICS_TOKEN"], (
+        "Prometheus scrapes with another token"
+    )
 
 
 def test_grafana_dashboard_queries_only_declared_metrics(compose):
@@ -536,7 +572,9 @@ def test_grafana_dashboard_queries_only_declared_metrics(compose):
 
     sys_path = DEPLOY / "grafana" / "make_dashboard.py"
     board = json.loads((DEPLOY / "grafana" / "dashboards" / "kiln.json").read_text())
-    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ][0]
     assert ds["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
     known = exported_names()
     used = set()
@@ -548,18 +586,30 @@ def test_grafana_dashboard_queries_only_declared_metrics(compose):
             assert names <= known, f"{panel['title']} queries undeclared metrics {sorted(names - known)}"
             used |= names
     # The design's list: reward and pass rate, throughput, idle, staleness, queues, groups, sandboxes.
-    for needed in ("kiln_learner_pass_rate", "kiln_learner_trajectories_trained_total", "kiln_learner_wait_seconds_total",
-                   "kiln_learner_staleness_versions_bucket", "kiln_queue_pending", "kiln_controller_groups_in_flight",
-                   "kiln_envpool_sandboxes_leased", "kiln_envpool_create_seconds_bucket", "kiln_rollout_generated_tokens_total"):  # fmt: skip
+    for needed in (
+        "kiln_learner_pass_rate",
+        "kiln_learner_trajectories_trained_total",
+        "kiln_learner_wait_seconds_total",
+        "kiln_learner_staleness_versions_bucket",
+        "kiln_queue_pending",
+        "kiln_controller_groups_in_flight",
+        "kiln_envpool_sandboxes_leased",
+        "kiln_envpool_create_seconds_bucket",
+        "kiln_rollout_generated_tokens_total",
+    ):
         assert needed in used, f"the Grafana dashboard has no panel for {needed}"
     # The committed JSON is what the generator writes.
     import runpy
 
-    assert runpy.run_path(str(sys_path))["dashboard"]() == board, "kiln.json is stale: run deploy/grafana/make_dashboard.py"
+    assert runpy.run_path(str(sys_path))["dashboard"]() == board, (
+        "kiln.json is stale: run deploy/grafana/make_dashboard.py"
+    )
 
 
 def test_every_service_restarts_after_a_crash(compose):
     """As `kiln run` does: a dead service comes back (the learner resumes from its checkpoint)."""
     for folder in SERVICE_FOLDERS:
         policy = str(_service(compose, folder).get("restart", "no"))
-        assert policy in ("unless-stopped", "always", "on-failure"), f"{folder} has restart {policy!r}: a crash would end the run"
+        assert policy in ("unless-stopped", "always", "on-failure"), (
+            f"{folder} has restart {policy!r}: a crash would end the run"
+        )

@@ -74,13 +74,19 @@ def test_service_speaks_tls_with_its_own_credential(base, service):
     assert urlsplit(env["KILN_NATS__URL"]).scheme == "tls", f"{service}: {env['KILN_NATS__URL']} is not tls://"
     assert env["KILN_NATS__TLS_CA_FILE"] == _secret_path("nats-ca.crt") and "nats-ca.crt" in mounted, service
     user = _user_of(service)
-    assert env["KILN_NATS__USER"] == user and user in SECRET_SERVICES, f"{service} logs in as {env.get('KILN_NATS__USER')}"
+    assert env["KILN_NATS__USER"] == user and user in SECRET_SERVICES, (
+        f"{service} logs in as {env.get('KILN_NATS__USER')}"
+    )
     assert env["KILN_NATS__PASSWORD_FILE"] == _secret_path(f"nats-{user}.password"), service
     assert "KILN_NATS__PASSWORD" not in env, f"{service}: a password in the environment; use the secret file"
     others = {s for s in mounted if s.endswith(".password")} - {f"nats-{user}.password"}
     assert not others, f"{service} mounts other services' passwords {others}"
-    cfg = NatsSettings(url=env["KILN_NATS__URL"], user=user, password_file=env["KILN_NATS__PASSWORD_FILE"],
-                       tls_ca_file=env["KILN_NATS__TLS_CA_FILE"])  # fmt: skip
+    cfg = NatsSettings(
+        url=env["KILN_NATS__URL"],
+        user=user,
+        password_file=env["KILN_NATS__PASSWORD_FILE"],
+        tls_ca_file=env["KILN_NATS__TLS_CA_FILE"],
+    )
     assert cfg.stream_replicas == 1
 
 
@@ -99,12 +105,18 @@ def test_every_secret_is_declared_and_generated_by_kiln_bus_credentials(base, me
     declared = base.get("secrets") or {}
     used = {s for svc in merged["services"].values() for s in svc.get("secrets") or []}
     assert used <= set(declared), f"undeclared secrets: {used - set(declared)}"
-    r = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(tmp_path), "--tls"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(tmp_path), "--tls"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     for name, spec in declared.items():
         assert spec["file"].startswith(SECRETS_DIR), f"secret {name} lives outside {SECRETS_DIR}: {spec['file']}"
-        assert (tmp_path / Path(spec["file"]).name).is_file(), f"kiln bus credentials --tls does not write {spec['file']}"
+        assert (tmp_path / Path(spec["file"]).name).is_file(), (
+            f"kiln bus credentials --tls does not write {spec['file']}"
+        )
     ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/secrets/nats-auth.conf"], cwd=ROOT).returncode == 0
     assert ignored, "deploy/secrets/ is not git-ignored: credentials would be committed"
 
@@ -121,7 +133,9 @@ def test_the_cluster_has_three_nodes_with_their_own_stores(merged):
         names.add(_env(svc)["NATS_SERVER_NAME"])
         assert node in DEFAULT_HOSTS, f"the certificate of kiln bus credentials --tls does not name {node}"
         assert (svc.get("healthcheck") or {}).get("test"), f"{node} has no healthcheck"
-        assert not [p for p in svc.get("ports") or [] if not str(p).startswith("127.0.0.1:")], f"{node} publishes beyond loopback"
+        assert not [p for p in svc.get("ports") or [] if not str(p).startswith("127.0.0.1:")], (
+            f"{node} publishes beyond loopback"
+        )
         assert {"nats-auth.conf", "nats-server.crt", "nats-server.key", "nats-ca.crt"} <= set(svc["secrets"]), node
     assert len(names) == len(volumes) == 3, f"nodes share a server name or a store: {names} {volumes}"
     assert volumes <= set(merged["volumes"]), "a node's store volume is not declared"
@@ -136,27 +150,42 @@ def test_cluster_services_know_every_node_and_replicate_three_times(merged, serv
     svc = _service(merged, service)
     env = _env(svc)
     urls = env["KILN_NATS__URL"].split(",")
-    assert sorted(urlsplit(u).hostname for u in urls) == sorted(NODES) and all(u.startswith("tls://") for u in urls), urls
-    assert env["KILN_NATS__USER"] == _user_of(service) and env["KILN_NATS__PASSWORD_FILE"], "the cluster override lost the credential"
+    assert sorted(urlsplit(u).hostname for u in urls) == sorted(NODES) and all(u.startswith("tls://") for u in urls), (
+        urls
+    )
+    assert env["KILN_NATS__USER"] == _user_of(service) and env["KILN_NATS__PASSWORD_FILE"], (
+        "the cluster override lost the credential"
+    )
     cfg = NatsSettings(url=env["KILN_NATS__URL"], replicas=int(env["KILN_NATS__REPLICAS"]))
     assert cfg.stream_replicas == len(NODES)
     deps = svc["depends_on"]
-    assert all(deps[n]["condition"] == "service_healthy" for n in NODES), f"{service} does not wait for every node: {deps}"
+    assert all(deps[n]["condition"] == "service_healthy" for n in NODES), (
+        f"{service} does not wait for every node: {deps}"
+    )
 
 
 @pytest.mark.parametrize("conf", ["nats.conf", "nats-cluster.conf"])
 def test_nats_server_accepts_the_config_with_generated_secrets(tmp_path, conf):
     """As in the container: the config in <root>/etc/nats, the secrets in <root>/run/secrets."""
     secrets = tmp_path / "run" / "secrets"
-    r = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     etc = tmp_path / "etc" / "nats"
     etc.mkdir(parents=True)
     text = (ROOT / "deploy" / "nats" / conf).read_text().replace('"/run/secrets/', f'"{secrets}/')
     (etc / conf).write_text(text)
-    r = subprocess.run([nats_server_binary(), "-t", "-c", str(etc / conf)], capture_output=True, text=True, timeout=30,
-                       env={"NATS_SERVER_NAME": "nats-1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    r = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(etc / conf)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"NATS_SERVER_NAME": "nats-1", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0 and "is valid" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
@@ -164,6 +193,10 @@ def test_docker_compose_accepts_the_merged_files():
     docker = shutil.which("docker")
     if not docker or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("the docker compose plugin is not installed")
-    r = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILE), "-f", str(CLUSTER_FILE), "config", "--quiet"],
-                       capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    r = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE_FILE), "-f", str(CLUSTER_FILE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from kiln.rollout.config import RolloutConfig
 from kiln.shared.config import load_config, parse_overrides
 from kiln.shared.launcher import LauncherConfig
 from kiln.shared.registry import discover
-
-from kiln.rollout.config import RolloutConfig
 
 
 def test_precedence_file_env_override(tmp_path, monkeypatch):
@@ -68,12 +67,27 @@ def test_config_show_prints_resolved_values(tmp_path):
     exp = tmp_path / "exp.toml"
     exp.write_text("[rollout]\nmax_turns = 7\n")
     out = subprocess.run(
-        [sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "rollout", "--config", str(exp),
-         "--set", "algorithm.steps=9"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kiln.shared.cli",
+            "config",
+            "show",
+            "--service",
+            "rollout",
+            "--config",
+            str(exp),
+            "--set",
+            "algorithm.steps=9",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "# ---- rollout ----" in out and "max_turns = 7" in out and "steps = 9" in out
-    bad = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "nope"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "nope"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "unknown service" in bad.stderr
 
 
@@ -120,8 +134,12 @@ def test_the_old_flat_weight_keys_map_onto_the_transport_union(tmp_path, monkeyp
     transport is an error unless it holds the old default (so old ``kiln config show`` output loads)."""
     from kiln.shared.config import WeightsSettings
     from kiln.shared.weights.transport import (
-        DeprecatedKeyWarning, FilesTransport, HttpTransport, TorchBroadcastTransport, VllmNcclTransport,
-    )  # fmt: skip
+        DeprecatedKeyWarning,
+        FilesTransport,
+        HttpTransport,
+        TorchBroadcastTransport,
+        VllmNcclTransport,
+    )
 
     def load(**flat) -> WeightsSettings:
         with pytest.warns(DeprecatedKeyWarning, match="weights.fetch|weights.broadcast|weights.cache_dir"):
@@ -130,13 +148,21 @@ def test_the_old_flat_weight_keys_map_onto_the_transport_union(tmp_path, monkeyp
     group = {"broadcast_init_method": "tcp://w:29600", "broadcast_world_size": 3, "broadcast_rank": 2}
     assert load(fetch="http", cache_dir="/c").transport == HttpTransport(kind="http", cache_dir="/c")
     t = load(fetch="broadcast", broadcast_backend="gloo", **group).transport
-    assert t == TorchBroadcastTransport(kind="torch-broadcast", backend="gloo", init_method="tcp://w:29600", world_size=3, rank=2)
+    assert t == TorchBroadcastTransport(
+        kind="torch-broadcast", backend="gloo", init_method="tcp://w:29600", world_size=3, rank=2
+    )
     t = load(fetch="broadcast", **group).transport
     assert isinstance(t, TorchBroadcastTransport) and t.backend == "nccl"
     t = load(fetch="broadcast", broadcast_backend="vllm-nccl", **group).transport
     assert t == VllmNcclTransport(kind="vllm-nccl", init_method="tcp://w:29600", world_size=3, rank=2)
-    old_show = {"fetch": "fs", "broadcast_init_method": "", "broadcast_world_size": 0, "broadcast_rank": 0,
-                "broadcast_backend": "nccl", "cache_dir": ""}  # fmt: skip
+    old_show = {
+        "fetch": "fs",
+        "broadcast_init_method": "",
+        "broadcast_world_size": 0,
+        "broadcast_rank": 0,
+        "broadcast_backend": "nccl",
+        "cache_dir": "",
+    }
     assert load(**old_show).transport == FilesTransport()
     with pytest.raises(ValidationError, match="applies only to weights.fetch = 'broadcast'"):
         load(fetch="fs", broadcast_init_method="tcp://w:1")

@@ -34,8 +34,17 @@ def test_subject_tokens_are_checked():
 
 def test_messages_round_trip_and_validate():
     t = c.Trajectory(
-        run_id="r", trajectory_id="g-s0", group_id="g", task_id="t", sample_index=0, dispatch_version=0,
-        status=c.TrajectoryStatus.FINISHED, token_ids=[1, 2], logprobs=[0.0, -1.0], token_versions=[-1, 0], loss_mask=[0, 1],
+        run_id="r",
+        trajectory_id="g-s0",
+        group_id="g",
+        task_id="t",
+        sample_index=0,
+        dispatch_version=0,
+        status=c.TrajectoryStatus.FINISHED,
+        token_ids=[1, 2],
+        logprobs=[0.0, -1.0],
+        token_versions=[-1, 0],
+        loss_mask=[0, 1],
     )
     back = c.Trajectory.from_bytes(t.to_bytes())
     assert back == t and b'"schema":1' in t.to_bytes()
@@ -47,7 +56,9 @@ def test_messages_round_trip_and_validate():
     with pytest.raises(ValidationError):
         c.RunEvent.model_validate_json('{"schema": 1, "run_id": "r", "kind": "started", "surprise": 1}')
     with pytest.raises(ValidationError, match="one entry per sample"):
-        c.RolloutRequest(run_id="r", group_id="g", task_id="t", n_samples=2, dispatch_version=0, deadline=0, sample_traces=["x"])
+        c.RolloutRequest(
+            run_id="r", group_id="g", task_id="t", n_samples=2, dispatch_version=0, deadline=0, sample_traces=["x"]
+        )
 
 
 def test_a_group_asks_for_a_bounded_number_of_samples_it_has():
@@ -57,6 +68,10 @@ def test_a_group_asks_for_a_bounded_number_of_samples_it_has():
 
     base = dict(run_id="r", group_id="g", task_id="t", dispatch_version=0, deadline=1.0)
     c.RolloutRequest(n_samples=c.MAX_GROUP_SAMPLES, **base)
-    for bad in (dict(n_samples=c.MAX_GROUP_SAMPLES + 1), dict(n_samples=2, samples=[2]), dict(n_samples=2, samples=[-1])):
+    for bad in (
+        dict(n_samples=c.MAX_GROUP_SAMPLES + 1),
+        dict(n_samples=2, samples=[2]),
+        dict(n_samples=2, samples=[-1]),
+    ):
         with pytest.raises(pydantic.ValidationError):
             c.RolloutRequest(**base, **bad)

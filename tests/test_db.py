@@ -3,7 +3,7 @@ server and on SQLite, and the exactly-once end of a group holds under the databa
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -41,12 +41,23 @@ async def test_group_ends_exactly_once(db_url):
         async with db.session() as s:
             s.add(Run(id="r", name="n", config={"a": 1}))
         async with db.session() as s:
-            s.add(TaskGroup(group_id="g", run_id="r", task_id="t", n_samples=2, dispatch_version=0, deadline=datetime.now(timezone.utc)))
+            s.add(
+                TaskGroup(
+                    group_id="g",
+                    run_id="r",
+                    task_id="t",
+                    n_samples=2,
+                    dispatch_version=0,
+                    deadline=datetime.now(UTC),
+                )
+            )
 
         async def end(status):
             async with db.session() as s:
                 res = await s.execute(
-                    update(TaskGroup).where(TaskGroup.group_id == "g", TaskGroup.status == "dispatched").values(status=status)
+                    update(TaskGroup)
+                    .where(TaskGroup.group_id == "g", TaskGroup.status == "dispatched")
+                    .values(status=status)
                 )
                 return res.rowcount
 

@@ -54,11 +54,13 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
         out.append((instr.upper(), args.strip()))
     return out
 
+
 def _exec_form(args: str) -> list[str]:
     args = args.strip()
     if args.startswith("["):
         return list(yaml.safe_load(args))  # a JSON array is YAML
     return shlex.split(args)
+
 
 def _copy_sources(args: str) -> tuple[list[str], bool]:
     """Sources of a COPY/ADD and whether it copies from another stage or image."""
@@ -68,12 +70,15 @@ def _copy_sources(args: str) -> tuple[list[str], bool]:
     from_stage = any(f.startswith("--from") for f in flags)
     return paths[:-1], from_stage
 
+
 def _norm(path: str) -> str:
     p = str(PurePosixPath(path.lstrip("/")))
     return "" if p == "." else p
 
+
 def _pyproject(path: Path) -> dict:
     return tomllib.loads(path.read_text())["project"]
+
 
 def _torch_via(folder: str) -> list[tuple[str, Requirement]]:
     """How a service's package pulls torch: ``(chain, torch requirement)`` pairs (empty: it does not)."""
@@ -89,6 +94,7 @@ def _torch_via(folder: str) -> list[tuple[str, Requirement]]:
             pulled += [(f"{dep} -> [{x}]", r) for x in req.extras for r in extras.get(x, [])]
             found += [(f"{via} -> {r}", Requirement(r)) for via, r in pulled if Requirement(r).name == "torch"]
     return found
+
 
 @pytest.mark.parametrize("folder", SERVICE_FOLDERS)
 def test_dockerfile_copies_only_shared_and_its_own_folder(folder):
@@ -110,8 +116,11 @@ def test_dockerfile_copies_only_shared_and_its_own_folder(folder):
                 f"only shared/ and {own}/ may be copied"
             )
             copied.append(n)
-    assert any(n == "shared" or n.startswith("shared/") for n in copied), f"services/{folder}/Dockerfile never copies shared/"
+    assert any(n == "shared" or n.startswith("shared/") for n in copied), (
+        f"services/{folder}/Dockerfile never copies shared/"
+    )
     assert any(n == own or n.startswith(own + "/") for n in copied), f"services/{folder}/Dockerfile never copies {own}/"
+
 
 @pytest.mark.parametrize("folder", SERVICE_FOLDERS)
 def test_dockerfile_base_install_user_and_command(folder, registry):
@@ -140,6 +149,7 @@ def test_dockerfile_base_install_user_and_command(folder, registry):
         f'["python", "-m", "{module}"] (the module registered for {folder!r})'
     )
 
+
 @pytest.mark.parametrize("folder", NO_TORCH)
 def test_torch_free_services_do_not_pull_torch(folder):
     why = [chain for chain, _ in _torch_via(folder)]
@@ -148,6 +158,7 @@ def test_torch_free_services_do_not_pull_torch(folder):
         assert "torch" not in args.lower(), (
             f"services/{folder}/Dockerfile mentions torch in `{instr} {args}`; {folder}'s image must stay torch-free"
         )
+
 
 @pytest.mark.parametrize("folder", [f for f in SERVICE_FOLDERS if f not in NO_TORCH])
 def test_torch_services_preinstall_a_cpu_torch_their_packages_accept(folder):
@@ -158,7 +169,9 @@ def test_torch_services_preinstall_a_cpu_torch_their_packages_accept(folder):
     runs = [a for i, a in instrs if i == "RUN"]
     torch_runs = [n for n, a in enumerate(runs) if re.search(r"pip install .*\btorch==", a)]
     kiln_runs = [n for n, a in enumerate(runs) if "pip install" in a and f"services/{folder}" in a]
-    assert torch_runs, f"services/{folder}/Dockerfile does not pin torch (`pip install torch==X --index-url .../whl/cpu`)"
+    assert torch_runs, (
+        f"services/{folder}/Dockerfile does not pin torch (`pip install torch==X --index-url .../whl/cpu`)"
+    )
     assert kiln_runs and torch_runs[0] < kiln_runs[0], (
         f"services/{folder}/Dockerfile must install torch before the kiln packages, or pip pulls the CUDA build from PyPI"
     )
@@ -172,9 +185,12 @@ def test_torch_services_preinstall_a_cpu_torch_their_packages_accept(folder):
             f"services/{folder}/Dockerfile pins torch {pinned}, but {chain} does not accept it"
         )
 
+
 def test_dockerignore_keeps_local_state_out_of_the_context():
     path = ROOT / ".dockerignore"
     assert path.is_file(), ".dockerignore is missing: .venv and runs/ would be sent as build context"
-    patterns = {line.strip().rstrip("/") for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    patterns = {
+        line.strip().rstrip("/") for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
+    }
     for want in (".venv", "runs", ".git", "**/__pycache__", "**/*.egg-info"):
         assert want in patterns, f".dockerignore does not exclude {want!r} (patterns: {sorted(patterns)})"

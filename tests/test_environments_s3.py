@@ -172,8 +172,12 @@ def test_settings_pick_the_store(s3, s3_endpoint):
 
     with pytest.raises(ValidationError, match='environments_store = "s3" needs envpool.environments_s3_bucket'):
         EnvPoolSettings(environments_store="s3")
-    s = EnvPoolSettings(environments_store="s3", environments_s3_bucket=BUCKET,
-                        environments_s3_endpoint_url=s3_endpoint, environments_s3_prefix="p/")
+    s = EnvPoolSettings(
+        environments_store="s3",
+        environments_s3_bucket=BUCKET,
+        environments_s3_endpoint_url=s3_endpoint,
+        environments_s3_prefix="p/",
+    )
     picked = layer_store(s, js=None)
     assert isinstance(picked, S3LayerStore) and picked.key("d") == "p/d.tar.gz"
     assert picked.client.meta.endpoint_url == s3_endpoint

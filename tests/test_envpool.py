@@ -12,18 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import InProcessPlatform, experiment, wait_for
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import RemoteError
 from kiln.shared.envpool_client import EnvPoolClient
 
-from harness import InProcessPlatform, experiment, wait_for
-
 
 @pytest.fixture
 async def envpool(nats_server, run_dir):
     exp = experiment(
-        run_dir, nats_server.url, "sqlite://",
+        run_dir,
+        nats_server.url,
+        "sqlite://",
         envpool={"max_sandboxes": 3, "reap_interval_s": 0.2, "output_limit_bytes": 2000, "warm_per_task": 0},
     )
     p = InProcessPlatform(exp)
@@ -53,7 +54,9 @@ async def test_lifecycle_exec_and_limits(envpool, bus):
     assert "timeout" in r.stderr
     # Output is capped: head and tail kept, the cut marked.
     r = await pool.exec(ref, "echo START; yes x | head -c 200000; echo; echo END", 10)
-    assert r.truncated and r.stdout.startswith("START") and r.stdout.rstrip().endswith("END") and "truncated" in r.stdout
+    assert (
+        r.truncated and r.stdout.startswith("START") and r.stdout.rstrip().endswith("END") and "truncated" in r.stdout
+    )
     assert len(r.stdout) < 3000
 
     assert await pool.destroy(ref) is True
@@ -67,22 +70,22 @@ async def test_tools_and_their_errors(envpool, bus):
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")
     calls = [
-            call("read_file", path="calc.py"),
-            call("read_file", path="calc.py", start_line=2, end_line=2),
-            call("list_dir"),
-            call("edit_file", path="calc.py", old="a - b", new="a + b"),
-            call("edit_file", path="calc.py", old="not there", new="x"),
-            call("edit_file", path="test_calc.py", old="self", new="x"),
-            call("edit_file", path="new/mod.py", old="", new="X = 1\n"),
-            call("write_file", path="notes.txt", content="hello"),
-            call("run_terminal_cmd", command="python3 -m unittest -q test_calc 2>&1 | tail -1; cat new/mod.py notes.txt"),
-            call("read_file", path="../../etc/passwd"),
-            call("read_file", path="/etc/passwd"),
-            call("read_file", path="missing.py"),
-            call("run_terminal_cmd", command="ln -s /etc escape"),
-            call("read_file", path="escape/passwd"),
-            call("frobnicate", x=1),
-            call("read_file", paht="calc.py"),
+        call("read_file", path="calc.py"),
+        call("read_file", path="calc.py", start_line=2, end_line=2),
+        call("list_dir"),
+        call("edit_file", path="calc.py", old="a - b", new="a + b"),
+        call("edit_file", path="calc.py", old="not there", new="x"),
+        call("edit_file", path="test_calc.py", old="self", new="x"),
+        call("edit_file", path="new/mod.py", old="", new="X = 1\n"),
+        call("write_file", path="notes.txt", content="hello"),
+        call("run_terminal_cmd", command="python3 -m unittest -q test_calc 2>&1 | tail -1; cat new/mod.py notes.txt"),
+        call("read_file", path="../../etc/passwd"),
+        call("read_file", path="/etc/passwd"),
+        call("read_file", path="missing.py"),
+        call("run_terminal_cmd", command="ln -s /etc escape"),
+        call("read_file", path="escape/passwd"),
+        call("frobnicate", x=1),
+        call("read_file", paht="calc.py"),
     ]
     res = await pool.tools(ref, calls)
     assert [r.call_id for r in res] == [cl.id for cl in calls]
@@ -176,7 +179,13 @@ async def test_fork_snapshot_restore_and_renew(envpool, bus):
     await envpool.start("env-pool", instance="node-b")
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")
-    await pool.tools(ref, [call("edit_file", path="calc.py", old="a - b", new="a + b"), call("write_file", path="notes/n.txt", content="n")])
+    await pool.tools(
+        ref,
+        [
+            call("edit_file", path="calc.py", old="a - b", new="a + b"),
+            call("write_file", path="notes/n.txt", content="n"),
+        ],
+    )
     child = await pool.fork(ref)
     assert child.node_id == ref.node_id and child.sandbox_id != ref.sandbox_id
     assert (await pool.exec(child, "cat calc.py notes/n.txt", 5)).stdout == "def add(a, b):\n    return a + b\nn"
@@ -231,7 +240,9 @@ async def test_warm_pool_serves_repeat_tasks(nats_server, bus, run_dir):
 async def test_http_api(nats_server, bus, run_dir):
     import httpx
 
-    exp = experiment(run_dir, nats_server.url, "sqlite://", envpool={"http_port": 0, "http_token": "s3cret", "warm_per_task": 0})
+    exp = experiment(
+        run_dir, nats_server.url, "sqlite://", envpool={"http_port": 0, "http_token": "s3cret", "warm_per_task": 0}
+    )
     p = InProcessPlatform(exp)
     await p.start("env-pool", instance="web")
     try:
@@ -283,12 +294,24 @@ async def test_two_env_pool_processes_share_load(envpool, bus, run_dir):
 
     exp = envpool.experiment_file
     other = subprocess.Popen(
-        [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "proc-node",
-         "--set", 'envpool.node_id="proc-node"'],
-        stdout=open(run_dir / "proc-node.log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, "KILN_CONFIG": str(exp)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kiln.envpool.main",
+            "--config",
+            str(exp),
+            "--instance",
+            "proc-node",
+            "--set",
+            'envpool.node_id="proc-node"',
+        ],
+        stdout=open(run_dir / "proc-node.log", "wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "KILN_CONFIG": str(exp)},
+    )
     pool = EnvPoolClient(bus)
     try:
+
         async def up():
             try:
                 return (await pool.stats("proc-node")).node_id == "proc-node"
@@ -326,7 +349,10 @@ async def test_a_sandbox_whose_node_files_vanished_is_an_error_not_a_result(envp
 
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")
-    roots = [Path(b) / f"node-a-{os.getpid()}" for b in ("/dev/shm/kiln-envpool", Path(tempfile.gettempdir()) / "kiln-envpool")]
+    roots = [
+        Path(b) / f"node-a-{os.getpid()}"
+        for b in ("/dev/shm/kiln-envpool", Path(tempfile.gettempdir()) / "kiln-envpool")
+    ]
     passwd = next(r for r in roots if r.is_dir()) / "etc" / "passwd"
     saved = passwd.read_bytes()
     passwd.unlink()
@@ -342,8 +368,16 @@ async def test_a_sandbox_whose_node_files_vanished_is_an_error_not_a_result(envp
 async def test_diff_against_the_task(envpool, bus):
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")
-    await pool.tools(ref, [call("edit_file", path="calc.py", old="a - b", new="a + b"), call("write_file", path="new/n.py", content="N = 1\n")])
-    await pool.exec(ref, "rm test_calc.py; (printf '\\0'; head -c 100 /dev/urandom) > blob.bin; ln -s /etc/passwd link", 5)
+    await pool.tools(
+        ref,
+        [
+            call("edit_file", path="calc.py", old="a - b", new="a + b"),
+            call("write_file", path="new/n.py", content="N = 1\n"),
+        ],
+    )
+    await pool.exec(
+        ref, "rm test_calc.py; (printf '\\0'; head -c 100 /dev/urandom) > blob.bin; ln -s /etc/passwd link", 5
+    )
     d = await pool.diff(ref)
     assert d.changed == {"calc.py": "def add(a, b):\n    return a + b\n", "new/n.py": "N = 1\n"}
     assert d.deleted == ["test_calc.py"] and d.binary == ["blob.bin", "link"]
@@ -359,21 +393,33 @@ async def test_nothing_the_workspace_holds_breaks_the_node(envpool, bus):
     answered (an observation, a truncated diff), never a failed request."""
     pool = EnvPoolClient(bus)
     ref = await pool.create("fix-calc")
-    make = ("(n=$(printf 'd%.0s' $(seq 250)); for i in $(seq 20); do mkdir $n && cd $n || exit 1; done; echo x > f) && "
-            "mkdir -p $(printf 'a/%.0s' $(seq 1500)) && mkdir junk && cd junk && seq 1 50000 | xargs touch")  # fmt: skip
+    make = (
+        "(n=$(printf 'd%.0s' $(seq 250)); for i in $(seq 20); do mkdir $n && cd $n || exit 1; done; echo x > f) && "
+        "mkdir -p $(printf 'a/%.0s' $(seq 1500)) && mkdir junk && cd junk && seq 1 50000 | xargs touch"
+    )
     r = await pool.exec(ref, make, 60)
     assert r.exit_code == 0, r.stderr
     assert (await pool.exec(ref, "ls junk | wc -l", 10)).stdout.strip() == "50000"  # usage walked the tree after each
     t0 = time.monotonic()
     d = await pool.diff(ref)
     assert time.monotonic() - t0 < 15
-    assert "more than 10000 files" in d.truncated and len(d.changed) <= 10_001  # the walk stops at the first past the bound
-    assert {o[:1] for o in d.omitted} == {"a", "d"} and all(len(o) <= 1024 + 256 for o in d.omitted)  # the first name past the bound
+    assert (
+        "more than 10000 files" in d.truncated and len(d.changed) <= 10_001
+    )  # the walk stops at the first past the bound
+    assert {o[:1] for o in d.omitted} == {"a", "d"} and all(
+        len(o) <= 1024 + 256 for o in d.omitted
+    )  # the first name past the bound
     for cmd in ("echo " + "x" * 200_000, "echo " + "\u00e9" * 60_000, "echo a\0b"):
         r = await pool.exec(ref, cmd, 10)
         assert r.exit_code == 126 and "[not run: the command" in r.stderr, r.stderr
-    long, deep, nul = await pool.tools(ref, [call("write_file", path="/".join(["b" * 250] * 5), content=""),
-                                             call("read_file", path="a/" * 200 + "x"), call("write_file", path="n\0ul", content="")])  # fmt: skip
+    long, deep, nul = await pool.tools(
+        ref,
+        [
+            call("write_file", path="/".join(["b" * 250] * 5), content=""),
+            call("read_file", path="a/" * 200 + "x"),
+            call("write_file", path="n\0ul", content=""),
+        ],
+    )
     assert "workspace paths have at most 1024 characters" in long.error and "128 levels" in deep.error
     assert "NUL" in nul.error
     stats = await pool.stats(ref.node_id)
@@ -427,10 +473,23 @@ async def test_a_long_call_to_a_node_that_died_or_restarted_ends_at_once(envpool
 
     exp = envpool.experiment_file
     other = subprocess.Popen(
-        [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", "doomed", "--set", 'envpool.node_id="doomed"'],
-        stdout=open(run_dir / "doomed.log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, "KILN_CONFIG": str(exp)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kiln.envpool.main",
+            "--config",
+            str(exp),
+            "--instance",
+            "doomed",
+            "--set",
+            'envpool.node_id="doomed"',
+        ],
+        stdout=open(run_dir / "doomed.log", "wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "KILN_CONFIG": str(exp)},
+    )
     try:
+
         async def up():
             try:
                 return (await pool.stats("doomed")).node_id == "doomed"

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from kiln.shared.tools import GrepArgs, ToolCallError
+from harness import wait_for
 
 from kiln.envpool.search import (
     MAX_HIT_CHARS,
@@ -27,8 +26,7 @@ from kiln.envpool.search import (
     grep,
     load_packaged_model,
 )
-
-from harness import wait_for
+from kiln.shared.tools import GrepArgs, ToolCallError
 
 pytestmark = pytest.mark.skipif(shutil.which("rg") is None, reason="ripgrep is not installed")
 
@@ -103,14 +101,21 @@ async def test_grep_matches_paths_and_lines(repo):
 
 
 async def test_grep_glob_and_ignore_case(repo):
-    assert await grep(repo, repo, G("WEB SHOP", ignore_case=True)) == "README.md:3:A tiny web shop: accounts, a product database and URL helpers."
+    assert (
+        await grep(repo, repo, G("WEB SHOP", ignore_case=True))
+        == "README.md:3:A tiny web shop: accounts, a product database and URL helpers."
+    )
     assert await grep(repo, repo, G("WEB SHOP")) == "no matches"
     md_only = await grep(repo, repo, G("a", glob="*.md"))
     assert md_only and all(line.startswith("README.md:") for line in md_only.splitlines())
     py = await grep(repo, repo, G("import", glob="*.py"))
     assert {line.split(":")[0] for line in py.splitlines()} == {
-        "auth/login.py", "db/connection.py", "utils/strings.py", "utils/dates.py", "tests/test_strings.py"
-    }  # fmt: skip
+        "auth/login.py",
+        "db/connection.py",
+        "utils/strings.py",
+        "utils/dates.py",
+        "tests/test_strings.py",
+    }
     assert "-" in await grep(repo, repo, G("-", glob="*.py"))  # a pattern that looks like a flag
 
 
@@ -160,8 +165,16 @@ def test_chunks_and_tokens():
     assert chunks[1].text.splitlines()[0] == "line 16"
     assert chunk_file("empty.py", "\n\n") == []
     assert code_tokens("getUserName HTTPServer check_password() x2") == [
-        "get", "user", "name", "http", "server", "check", "password", "x", "2"
-    ]  # fmt: skip
+        "get",
+        "user",
+        "name",
+        "http",
+        "server",
+        "check",
+        "password",
+        "x",
+        "2",
+    ]
     assert code_tokens("the users' passwords") == ["user", "password"]
 
 
@@ -242,9 +255,7 @@ def embedding_index(model):
     return index
 
 
-@pytest.mark.parametrize(
-    "query,expected", QUERIES + [("how many days are there between two dates", "utils/dates.py")]
-)
+@pytest.mark.parametrize("query,expected", QUERIES + [("how many days are there between two dates", "utils/dates.py")])
 async def test_embeddings_find_the_right_file(repo, embedding_index, query, expected):
     method, hits = await embedding_index.search(repo, query, 3)
     assert method == "embedding" and hits[0].path == expected, [(h.path, h.score) for h in hits]

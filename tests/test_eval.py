@@ -8,6 +8,7 @@ token; pass@k is the unbiased estimator."""
 from __future__ import annotations
 
 import pytest
+from harness import InProcessPlatform, experiment, wait_for, wait_run_ended
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
@@ -15,8 +16,6 @@ from kiln.shared.config import EvalSettings
 from kiln.shared.db import Database, EvalRecord, Run, TrajectoryRecord
 from kiln.shared.evaluation import EvalCollector, pass_at_k
 from kiln.shared.tasks import load_suite
-
-from harness import InProcessPlatform, experiment, wait_for, wait_run_ended
 
 EVAL = {"every": 1, "split": "heldout", "max_tasks": 2, "samples": 2, "k": [1, 2], "seed": 7, "timeout_s": 120}
 
@@ -39,8 +38,14 @@ async def test_an_evaluation_nothing_answers_is_not_recorded(bus, tmp_path):
     try:
         async with db.session() as s:
             s.add(Run(id="r", name="r", config={}))
-        weights = c.WeightsPublished(run_id="r", version=0, step=0, path=str(tmp_path), manifest_sha256="0" * 64,
-                                     manifest=c.WeightsManifest(run_id="r", version=0, step=0, parent_version=None, files=[], tensors={}))  # fmt: skip
+        weights = c.WeightsPublished(
+            run_id="r",
+            version=0,
+            step=0,
+            path=str(tmp_path),
+            manifest_sha256="0" * 64,
+            manifest=c.WeightsManifest(run_id="r", version=0, step=0, parent_version=None, files=[], tensors={}),
+        )
         collector = EvalCollector(bus, db, load_suite("builtin"))
         await collector.watch()
         await collector.start("r", "r-eval-v0", weights, EvalSettings(**{**EVAL, "timeout_s": 0.2}), "builtin")
@@ -59,8 +64,19 @@ async def test_an_evaluation_nothing_answers_is_not_recorded(bus, tmp_path):
 
 @pytest.mark.timeout(300)
 async def test_run_evaluates_every_version_under_exactly_that_version(nats_server, bus, pg_url, run_dir):
-    exp = experiment(run_dir, nats_server.url, pg_url, eval=EVAL, algorithm={"steps": 2, "groups_per_step": 2, "samples_per_group": 2,
-                     "max_staleness": 1, "group_deadline_s": 120})  # fmt: skip
+    exp = experiment(
+        run_dir,
+        nats_server.url,
+        pg_url,
+        eval=EVAL,
+        algorithm={
+            "steps": 2,
+            "groups_per_step": 2,
+            "samples_per_group": 2,
+            "max_staleness": 1,
+            "group_deadline_s": 120,
+        },
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
     published: dict[int, c.WeightsPublished] = {}
@@ -79,14 +95,18 @@ async def test_run_evaluates_every_version_under_exactly_that_version(nats_serve
         await wait_run_ended(platform, db, run_id, 240)
         async with db.session() as s:
             assert (await s.get(Run, run_id)).status == "finished"
-            evals = (await s.scalars(select(EvalRecord).where(EvalRecord.run_id == run_id).order_by(EvalRecord.version))).all()
+            evals = (
+                await s.scalars(select(EvalRecord).where(EvalRecord.run_id == run_id).order_by(EvalRecord.version))
+            ).all()
             trajs = (await s.scalars(select(TrajectoryRecord).where(TrajectoryRecord.run_id == run_id))).all()
 
         # --- one evaluation per version, each complete
         assert [e.version for e in evals] == [0, 1, 2]
         for e in evals:
             assert e.tasks == 2 and e.samples == 2 and e.split == "heldout" and set(e.pass_at_k) == {"1", "2"}
-            assert all(t["missing"] == 0 and t["samples"] == 2 and t["greedy"] is not None for t in e.per_task.values()), e.per_task
+            assert all(
+                t["missing"] == 0 and t["samples"] == 2 and t["greedy"] is not None for t in e.per_task.values()
+            ), e.per_task
         # --- eval episodes ran under the version they evaluate, and never trained
         ev = [t for t in trajs if t.purpose == "eval"]
         assert len(ev) == 3 * 2 * (1 + 2)
@@ -104,7 +124,13 @@ async def test_run_evaluates_every_version_under_exactly_that_version(nats_serve
         again = await collector.wait(f"{run_id}-eval-again-v2", 120)
         assert again.version == 2 and again.greedy_pass_rate == evals[2].greedy_pass_rate
         async with db.session() as s:
-            rows = (await s.scalars(select(TrajectoryRecord).where(TrajectoryRecord.eval_id.in_([f"{run_id}-eval-v2", f"{run_id}-eval-again-v2"])))).all()
+            rows = (
+                await s.scalars(
+                    select(TrajectoryRecord).where(
+                        TrajectoryRecord.eval_id.in_([f"{run_id}-eval-v2", f"{run_id}-eval-again-v2"])
+                    )
+                )
+            ).all()
         greedy = {}
         for t in rows:
             if "-greedy-" in t.trajectory_id:

@@ -12,12 +12,11 @@ import subprocess
 import sys
 
 import pytest
+from harness import InProcessPlatform, experiment, wait_for
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
-
-from harness import InProcessPlatform, experiment, wait_for
 
 
 async def _groups_and_run(db: Database, run_id: str):
@@ -50,7 +49,8 @@ async def test_killed_rollout_worker_and_exhausted_pool(nats_server, bus, pg_url
         await platform.start("reward")
         victim = subprocess.Popen(
             [sys.executable, "-m", "kiln.rollout.main", "--config", str(exp), "--instance", "rollout-victim"],
-            stdout=open(run_dir / "victim.log", "wb"), stderr=subprocess.STDOUT,
+            stdout=open(run_dir / "victim.log", "wb"),
+            stderr=subprocess.STDOUT,
             # Long turns (~3 s each here) keep the victim inside its first group long enough
             # for the poll below to see it: with 64-token turns a fast machine finished the
             # whole run between two polls.
@@ -79,7 +79,9 @@ async def test_killed_rollout_worker_and_exhausted_pool(nats_server, bus, pg_url
             assert g.status in ("trained", "dropped"), f"{g.group_id} never ended"
             assert g.status == "trained" or g.reason, f"{g.group_id} dropped without a reason"
         assert sum(g.status == "trained" for g in groups) == 2 * 2
-        assert (await bus.consumer_info(c.ROLLOUT_WORKERS)).delivered.consumer_seq > len(groups), "nothing was redelivered"
+        assert (await bus.consumer_info(c.ROLLOUT_WORKERS)).delivered.consumer_seq > len(groups), (
+            "nothing was redelivered"
+        )
         for t in trajs:
             if t.trained_version is not None and t.num_generated:
                 assert t.min_version == t.max_version == t.trained_version - 1
@@ -97,7 +99,9 @@ async def test_killed_rollout_worker_and_exhausted_pool(nats_server, bus, pg_url
 @pytest.mark.timeout(120)
 async def test_broken_environment_fails_the_run_with_its_reason(nats_server, pg_url, run_dir):
     exp = experiment(
-        run_dir, nats_server.url, pg_url,
+        run_dir,
+        nats_server.url,
+        pg_url,
         envpool={"max_sandboxes": 0},  # every sandbox request fails: every sample is an infra error
         learner={"max_dropped_groups": 3, "deadline_check_s": 0.5},
     )
@@ -125,7 +129,9 @@ async def test_broken_environment_fails_the_run_with_its_reason(nats_server, pg_
 
 
 @pytest.mark.timeout(180)
-async def test_a_dead_engine_stops_its_worker_and_its_work_goes_to_another(nats_server, bus, pg_url, run_dir, monkeypatch):
+async def test_a_dead_engine_stops_its_worker_and_its_work_goes_to_another(
+    nats_server, bus, pg_url, run_dir, monkeypatch
+):
     """A rollout worker whose engine dies (vLLM's core crashed) exits with the reason and
     hands its group back; it does not fail every request it takes until they are all
     dead-lettered. Another replica trains the run to the end."""
@@ -139,9 +145,13 @@ async def test_a_dead_engine_stops_its_worker_and_its_work_goes_to_another(nats_
 
     make_engine = rollout_main.make_engine
     monkeypatch.setattr(
-        rollout_main, "make_engine", lambda cfg, instance: DyingEngine() if instance == "rollout-doomed" else make_engine(cfg, instance)
+        rollout_main,
+        "make_engine",
+        lambda cfg, instance: DyingEngine() if instance == "rollout-doomed" else make_engine(cfg, instance),
     )
-    exp = experiment(run_dir, nats_server.url, pg_url, algorithm={"steps": 1, "groups_per_step": 2, "samples_per_group": 2})
+    exp = experiment(
+        run_dir, nats_server.url, pg_url, algorithm={"steps": 1, "groups_per_step": 2, "samples_per_group": 2}
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
     db = Database(pg_url)

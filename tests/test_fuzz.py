@@ -36,6 +36,22 @@ import nats.js.errors
 import psycopg
 import pytest
 import pytest_asyncio
+from fuzzing import (
+    Case,
+    Subscriptions,
+    bus_call_sites,
+    declared_model,
+    direct_subscriptions,
+    draw,
+    encode,
+    hostile,
+    hostile_floats,
+    hostile_text,
+    is_valid,
+    malformed,
+    minimal,
+)
+from harness import InProcessPlatform, experiment, wait_for
 from hypothesis import strategies as st
 
 from kiln.shared import contracts as c
@@ -48,12 +64,6 @@ from kiln.shared.evaluation import EvalCollector
 from kiln.shared.launcher import LocalPlatform
 from kiln.shared.tasks import load_suite
 from kiln.shared.tools import TOOLS
-
-from fuzzing import (
-    Case, Subscriptions, bus_call_sites, declared_model, direct_subscriptions, draw, encode, hostile, hostile_floats,
-    hostile_text, is_valid, malformed, minimal,
-)  # fmt: skip
-from harness import InProcessPlatform, experiment, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -80,11 +90,13 @@ async def fleet(tmp_path_factory, postgres):
     run_dir.mkdir()
     # Steps enough to outlast the test; the smallest groups that still train (2 samples).
     exp = experiment(
-        run_dir, server.url, db_url,
+        run_dir,
+        server.url,
+        db_url,
         algorithm={"steps": 100_000, "groups_per_step": 1, "samples_per_group": 2, "group_deadline_s": 120},
         rollout={"max_turns": 1, "max_new_tokens": 8, "max_total_tokens": 2048},
         learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "max_dropped_groups": 100_000},
-    )  # fmt: skip
+    )
     subs = Subscriptions()
     mp = pytest.MonkeyPatch()
     subs.install(mp)
@@ -124,17 +136,22 @@ async def test_every_consumed_subject_is_declared_and_recorded(fleet):
         want = declared_model(subject)
         assert want is not None, f"{subject} is consumed ({subs[0].site}) but not declared in kiln.shared.contracts"
         for s in subs:
-            assert s.model is want, f"{s.service} reads {subject} as {s.model.__name__}; contracts declare {want.__name__}"
+            assert s.model is want, (
+                f"{s.service} reads {subject} as {s.model.__name__}; contracts declare {want.__name__}"
+            )
     # Every durable consumer contracts declare has a running subscriber.
     assert {spec.filter_subject for spec in c.CONSUMERS} <= set(seen)
     # Every subscribing call in kiln's source ran in this fleet: nothing consumed goes unfuzzed.
     hit = {s.site for s in fleet.subs.seen}
     missing = [
-        f"{path}:{first} ({method})" for path, first, last, method in bus_call_sites()
+        f"{path}:{first} ({method})"
+        for path, first, last, method in bus_call_sites()
         if not any(f == path and first <= line <= last for f, line in hit)
-    ]  # fmt: skip
+    ]
     assert not missing, f"subscriptions the fuzz fixture does not start (add them to it): {missing}"
-    assert not direct_subscriptions(), f"services subscribing around the bus (no dead letters): {direct_subscriptions()}"
+    assert not direct_subscriptions(), (
+        f"services subscribing around the bus (no dead letters): {direct_subscriptions()}"
+    )
     kinds = Counter(s.kind for s in fleet.subs.seen)
     assert kinds["consume"] >= 7 and kinds["watch"] >= 5 and kinds["serve"] >= 10, kinds
 
@@ -172,7 +189,7 @@ async def dead_letters(bus: Bus) -> list:
         while True:
             try:
                 batch = await sub.fetch(200, timeout=1)
-            except asyncio.TimeoutError:  # nats-py raises its own subclass or the plain one
+            except TimeoutError:  # nats-py raises its own subclass or the plain one
                 return out
             for m in batch:
                 await m.ack()
@@ -261,7 +278,10 @@ async def still_serving(fleet: Fleet) -> None:
         assert reply.service == name
     other = "fuzz-other-run"
     idle = [
-        (c.ROLLOUT_RESUME, c.RolloutRequest(run_id=other, group_id="g", task_id="t", n_samples=1, dispatch_version=0, deadline=0.0)),
+        (
+            c.ROLLOUT_RESUME,
+            c.RolloutRequest(run_id=other, group_id="g", task_id="t", n_samples=1, dispatch_version=0, deadline=0.0),
+        ),
         (c.ROLLOUT_ABANDONED, c.GroupAbandoned(run_id=other, group_id="g", reason="stale")),
     ]
     for subject, msg in idle:
@@ -320,8 +340,12 @@ async def hostile_requests(fleet: Fleet, per_subject: int) -> int:
     suite = load_suite(fleet.platform.config("learner").tasks.suite)
     live = [await pool.create(suite.tasks[0].id) for _ in range(2)]
     ids = st.sampled_from([r.sandbox_id for r in live]) | hostile_text
-    arguments = st.dictionaries(st.sampled_from(["path", "content", "pattern", "command", "query"]) | hostile_text, hostile_text, max_size=3)
-    call = st.builds(lambda n, a: {"id": "1", "name": n, "arguments": a}, st.sampled_from(sorted(TOOLS)) | hostile_text, arguments)
+    arguments = st.dictionaries(
+        st.sampled_from(["path", "content", "pattern", "command", "query"]) | hostile_text, hostile_text, max_size=3
+    )
+    call = st.builds(
+        lambda n, a: {"id": "1", "name": n, "arguments": a}, st.sampled_from(sorted(TOOLS)) | hostile_text, arguments
+    )
     choices = {
         "sandbox_id": ids,
         "task_id": st.sampled_from([t.id for t in suite.tasks[:3]]) | hostile_text,
@@ -392,9 +416,10 @@ async def hostile_messages(fleet: Fleet, per_subject: int) -> int:
 
     await wait_for(settled, 120, 0.2, "every hostile work message settled")
     retried = [
-        f"{m.headers[c.HDR_DLQ_SUBJECT]}: {m.headers[c.HDR_DLQ_REASON][:300]}" for m in (await dead_letters(bus))[before:]
+        f"{m.headers[c.HDR_DLQ_SUBJECT]}: {m.headers[c.HDR_DLQ_REASON][:300]}"
+        for m in (await dead_letters(bus))[before:]
         if m.headers[c.HDR_DLQ_REASON].startswith(("handler failed", "retried"))
-    ]  # fmt: skip
+    ]
     assert not retried, "retried instead of refused:\n" + "\n".join(retried[:20])
     return len(stored)
 
@@ -465,5 +490,7 @@ async def test_fuzz_every_consumed_subject_at_length(fleet):
     n += await hostile_messages(fleet, per_subject=60)
     t2 = time.monotonic()
     await still_serving(fleet)
-    print(f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests and work items in {t2 - t1:.1f} s;"
-          f" still serving checked in {time.monotonic() - t2:.1f} s")  # fmt: skip
+    print(
+        f"fuzz (slow): {stats} in {t1 - t0:.1f} s; {n} hostile requests and work items in {t2 - t1:.1f} s;"
+        f" still serving checked in {time.monotonic() - t2:.1f} s"
+    )

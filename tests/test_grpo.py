@@ -19,7 +19,9 @@ def test_group_advantages():
     assert group_advantages([0.0, 0.0, 0.0], std_normalize=True) == [0.0, 0.0, 0.0]
     assert group_advantages([], std_normalize=False) == []
     # W-REINFORCE: only the below-average samples are scaled
-    assert group_advantages([1.0, 0.0, 0.0, 0.0], std_normalize=False, negative_weight=0.1) == pytest.approx([0.75, -0.025, -0.025, -0.025])
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], std_normalize=False, negative_weight=0.1) == pytest.approx(
+        [0.75, -0.025, -0.025, -0.025]
+    )
     assert group_advantages([1.0, 0.0], std_normalize=False, negative_weight=0.0) == [0.5, 0.0]
     # rewards of valid samples only: a missing score must not become a group-wide nan
     with pytest.raises(ValueError, match="non-finite"):
@@ -71,7 +73,9 @@ def test_decoupled_ppo_by_hand():
     new = lp(0.6, 0.3, 0.55).requires_grad_()
     behaviour, prox = lp(0.5, 0.1, 0.5), lp(0.4, 0.4, 0.5)
     adv = torch.tensor([[1.0, -1.0, 1.0]])
-    loss, stats = policy_loss(new, behaviour, adv, torch.ones(1, 3), LossConfig(loss="decoupled_ppo", tis_cap=2.0), prox_logp=prox)
+    loss, stats = policy_loss(
+        new, behaviour, adv, torch.ones(1, 3), LossConfig(loss="decoupled_ppo", tis_cap=2.0), prox_logp=prox
+    )
     assert math.isclose(loss.item(), (-0.96 + 1.6 - 1.1) / 3, rel_tol=1e-6)
     assert stats["tis_capped_frac"] == pytest.approx(1 / 3) and stats["clip_frac"] == pytest.approx(2 / 3)
     loss.backward()
@@ -95,7 +99,9 @@ def test_truncated_importance_sampling_by_hand():
     # token 1, A = +1: w = 0.6 / 0.5 = 1.2 -> -1.2 * log 0.6; token 2, A = -1: w = 5 capped
     # at 2 -> +2 * log 0.5. Gradients (mean over 2 tokens): -1.2 / 2 and +2 / 2.
     new = lp(0.6, 0.5).requires_grad_()
-    loss, stats = policy_loss(new, lp(0.5, 0.1), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), LossConfig(loss="tis", tis_cap=2.0))
+    loss, stats = policy_loss(
+        new, lp(0.5, 0.1), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), LossConfig(loss="tis", tis_cap=2.0)
+    )
     assert math.isclose(loss.item(), (-1.2 * math.log(0.6) + 2 * math.log(0.5)) / 2, rel_tol=1e-6)
     loss.backward()
     assert torch.allclose(new.grad, torch.tensor([[-0.6, 1.0]]))
@@ -107,7 +113,9 @@ def test_kl_estimators_by_hand():
     # k3 = e^d - d - 1 = 1 - log 2
     new, ref, zero = lp(0.25), lp(0.5), torch.zeros(1, 1)
     for est, want in (("k1", -math.log(2)), ("k2", math.log(2) ** 2 / 2), ("k3", 1 - math.log(2))):
-        loss, stats = policy_loss(new, new, zero, torch.ones(1, 1), LossConfig(kl_coef=0.1, kl_estimator=est), ref_logp=ref)
+        loss, stats = policy_loss(
+            new, new, zero, torch.ones(1, 1), LossConfig(kl_coef=0.1, kl_estimator=est), ref_logp=ref
+        )
         assert math.isclose(stats["kl"], want, rel_tol=1e-6) and math.isclose(loss.item(), 0.1 * want, rel_tol=1e-6)
 
 
@@ -120,9 +128,14 @@ def test_stale_tokens_are_masked_and_get_no_gradient():
     for variant in ("ppo_clip", "decoupled_ppo", "tis"):
         new = torch.tensor([[-3.0, -0.1, -0.9, -2.5, -0.2]], requires_grad=True)
         loss, stats = policy_loss(
-            new, behaviour, torch.tensor([[1.0]]), mask, LossConfig(loss=variant, kl_coef=0.1),
-            prox_logp=behaviour, ref_logp=behaviour,
-        )  # fmt: skip
+            new,
+            behaviour,
+            torch.tensor([[1.0]]),
+            mask,
+            LossConfig(loss=variant, kl_coef=0.1),
+            prox_logp=behaviour,
+            ref_logp=behaviour,
+        )
         loss.backward()
         assert torch.isfinite(loss) and stats["tokens"] == 2, variant
         assert torch.all(new.grad[~mask] == 0) and torch.all(new.grad[mask] != 0), (variant, new.grad)
@@ -132,24 +145,37 @@ def test_stale_tokens_are_masked_and_get_no_gradient():
 def test_policy_step_with_each_variant_and_stale_tokens(variant):
     """The learner's step runs every variant (with the KL reference on), masks the
     tokens of a version older than max_staleness and counts them."""
+    from kiln.learner.config import LearnerConfig
+    from kiln.learner.policy import Policy
     from kiln.shared.config import load_config
     from kiln.shared.contracts import Trajectory, TrajectoryStatus
     from kiln.shared.tasks import load_suite
 
-    from kiln.learner.config import LearnerConfig
-    from kiln.learner.policy import Policy
-
-    overrides = [f"algorithm.loss={variant}", "algorithm.kl_coef=0.05", "algorithm.max_staleness=1",
-                 "model.hidden_size=32", "model.num_hidden_layers=1", "learner.tokenizer_corpus_repeats=1"]  # fmt: skip
+    overrides = [
+        f"algorithm.loss={variant}",
+        "algorithm.kl_coef=0.05",
+        "algorithm.max_staleness=1",
+        "model.hidden_size=32",
+        "model.num_hidden_layers=1",
+        "learner.tokenizer_corpus_repeats=1",
+    ]
     policy = Policy(load_config(LearnerConfig, None, overrides), load_suite("builtin"))
 
     def traj(i, versions):
         n = len(versions)
         return Trajectory(
-            run_id="r", trajectory_id=f"t{i}", group_id="g", task_id="t", sample_index=i, dispatch_version=3,
-            status=TrajectoryStatus.FINISHED, token_ids=[5 + i] * (4 + n), logprobs=[0.0] * 4 + [-2.0] * n,
-            token_versions=[-1] * 4 + versions, loss_mask=[0] * 4 + [1] * n,
-        )  # fmt: skip
+            run_id="r",
+            trajectory_id=f"t{i}",
+            group_id="g",
+            task_id="t",
+            sample_index=i,
+            dispatch_version=3,
+            status=TrajectoryStatus.FINISHED,
+            token_ids=[5 + i] * (4 + n),
+            logprobs=[0.0] * 4 + [-2.0] * n,
+            token_versions=[-1] * 4 + versions,
+            loss_mask=[0] * 4 + [1] * n,
+        )
 
     before = [p.detach().clone() for p in policy.model.parameters()]
     stats = policy.train_step([(traj(0, [1, 1, 4, 4]), 1.0), (traj(1, [4, 4, 4]), -1.0)], version=4)
@@ -163,9 +189,13 @@ def test_tis_with_proximal_weights_and_no_cap():
     # Gradients (mean over 2 tokens): -0.8 / 2 and +3 / 2.
     new = lp(0.6, 0.5).requires_grad_()
     loss, stats = policy_loss(
-        new, lp(0.5, 0.1), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), LossConfig(loss="tis", tis_cap=0.0),
+        new,
+        lp(0.5, 0.1),
+        torch.tensor([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        LossConfig(loss="tis", tis_cap=0.0),
         prox_logp=lp(0.4, 0.3),
-    )  # fmt: skip
+    )
     assert math.isclose(loss.item(), (-0.8 * math.log(0.6) + 3 * math.log(0.5)) / 2, rel_tol=1e-6)
     loss.backward()
     assert torch.allclose(new.grad, torch.tensor([[-0.4, 1.5]]))
@@ -204,7 +234,14 @@ def test_k2_gradient_stays_bounded_where_k3_explodes():
     grads = {}
     for est in ("k2", "k3"):
         new = lp(0.001).requires_grad_()
-        loss, _ = policy_loss(new, new.detach(), torch.zeros(1, 1), torch.ones(1, 1), LossConfig(kl_coef=1.0, kl_estimator=est), ref_logp=lp(0.5))
+        loss, _ = policy_loss(
+            new,
+            new.detach(),
+            torch.zeros(1, 1),
+            torch.ones(1, 1),
+            LossConfig(kl_coef=1.0, kl_estimator=est),
+            ref_logp=lp(0.5),
+        )
         loss.backward()
         grads[est] = new.grad.item()
     assert grads["k3"] == pytest.approx(1 - 500) and grads["k2"] == pytest.approx(-math.log(500))
@@ -241,7 +278,13 @@ def test_trained_token_mask_edges():
 
 
 def test_loss_config_is_validated():
-    for bad in (dict(loss="reinforce"), dict(kl_estimator="k4"), dict(clip_eps=0.0), dict(clip_eps_high=-0.1), dict(kl_coef=-1.0)):
+    for bad in (
+        dict(loss="reinforce"),
+        dict(kl_estimator="k4"),
+        dict(clip_eps=0.0),
+        dict(clip_eps_high=-0.1),
+        dict(kl_coef=-1.0),
+    ):
         with pytest.raises(ValueError):
             LossConfig(**bad)
 
@@ -250,21 +293,34 @@ def test_loss_config_is_validated():
 def test_reference_is_version_zero(precision):
     """The KL reference is the initial policy, in the policy's own precision: before any
     update the policy's logprobs equal the reference's and the first step's KL is 0."""
+    from kiln.learner.config import LearnerConfig
+    from kiln.learner.policy import Policy
     from kiln.shared.config import load_config
     from kiln.shared.contracts import Trajectory, TrajectoryStatus
     from kiln.shared.tasks import load_suite
 
-    from kiln.learner.config import LearnerConfig
-    from kiln.learner.policy import Policy
-
-    overrides = [f"learner.precision={precision}", "algorithm.kl_coef=0.1", "algorithm.max_staleness=1", "model.hidden_size=32",
-                 "model.num_hidden_layers=1", "learner.tokenizer_corpus_repeats=1"]  # fmt: skip
+    overrides = [
+        f"learner.precision={precision}",
+        "algorithm.kl_coef=0.1",
+        "algorithm.max_staleness=1",
+        "model.hidden_size=32",
+        "model.num_hidden_layers=1",
+        "learner.tokenizer_corpus_repeats=1",
+    ]
     policy = Policy(load_config(LearnerConfig, None, overrides), load_suite("builtin"))
     t = Trajectory(
-        run_id="r", trajectory_id="t", group_id="g", task_id="t", sample_index=0, dispatch_version=0,
-        status=TrajectoryStatus.FINISHED, token_ids=list(range(5, 25)), logprobs=[0.0] * 8 + [-3.0] * 12,
-        token_versions=[-1] * 8 + [0] * 12, loss_mask=[0] * 8 + [1] * 12,
-    )  # fmt: skip
+        run_id="r",
+        trajectory_id="t",
+        group_id="g",
+        task_id="t",
+        sample_index=0,
+        dispatch_version=0,
+        status=TrajectoryStatus.FINISHED,
+        token_ids=list(range(5, 25)),
+        logprobs=[0.0] * 8 + [-3.0] * 12,
+        token_versions=[-1] * 8 + [0] * 12,
+        loss_mask=[0] * 8 + [1] * 12,
+    )
     batch = [(t, 1.0), (t.model_copy(update={"sample_index": 1}), -1.0)]
     assert policy.train_step(batch, version=0).kl == 0.0
     assert policy.train_step(batch, version=1).kl > 0  # the policy has moved away from it
@@ -276,18 +332,15 @@ def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
     import asyncio
     from types import SimpleNamespace
 
-    from opentelemetry.sdk.metrics import MeterProvider
-
-    from kiln.shared.metrics import instruments
-
     from opentelemetry import trace
-
-    from kiln.shared import contracts as c
-    from kiln.shared.config import load_config
+    from opentelemetry.sdk.metrics import MeterProvider
 
     from kiln.learner.config import LearnerConfig
     from kiln.learner.policy import StepStats
     from kiln.learner.trainer import Trainer
+    from kiln.shared import contracts as c
+    from kiln.shared.config import load_config
+    from kiln.shared.metrics import instruments
 
     cfg = load_config(LearnerConfig, None, ["algorithm.groups_per_step=1", "algorithm.samples_per_group=3"])
     calls = []
@@ -312,23 +365,46 @@ def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
         pass
 
     controller = SimpleNamespace(
-        published_version=2, dropped_since_step=0, mark_trained=noop, step_recorded=lambda v: None, drop=noop, record_step=noop
+        published_version=2,
+        dropped_since_step=0,
+        mark_trained=noop,
+        step_recorded=lambda v: None,
+        drop=noop,
+        record_step=noop,
     )
     meter = MeterProvider().get_meter("test")
-    ctx = SimpleNamespace(config=cfg, bus=SimpleNamespace(publish=noop), tracer=trace.get_tracer("test"), metrics=instruments(meter, "learner"))
+    ctx = SimpleNamespace(
+        config=cfg,
+        bus=SimpleNamespace(publish=noop),
+        tracer=trace.get_tracer("test"),
+        metrics=instruments(meter, "learner"),
+    )
 
     def scored(i, reward, infra=None):
         t = c.Trajectory(
-            run_id=cfg.run.id, trajectory_id=f"t{i}", group_id="g", task_id="t", sample_index=i, dispatch_version=2,
-            status=c.TrajectoryStatus.FINISHED, token_ids=[1, 2], logprobs=[0.0, -1.0], token_versions=[-1, 2],
+            run_id=cfg.run.id,
+            trajectory_id=f"t{i}",
+            group_id="g",
+            task_id="t",
+            sample_index=i,
+            dispatch_version=2,
+            status=c.TrajectoryStatus.FINISHED,
+            token_ids=[1, 2],
+            logprobs=[0.0, -1.0],
+            token_versions=[-1, 2],
             loss_mask=[0, 1],
-        )  # fmt: skip
+        )
         return c.ScoredTrajectory(trajectory=t, reward=reward, passed=reward > 0, infra_error=infra)
 
     trainer = Trainer(ctx, controller, FakePolicy())
     trainer.step = 2
     trainer.staging = Path(tempfile.mkdtemp())
-    trainer.pending = {"g": {f"t{i}": (s, FakeDelivery()) for i, s in enumerate([scored(0, 1.0), scored(1, 0.0, "pool exhausted"), scored(2, 0.0)])}}
+    trainer.pending = {
+        "g": {
+            f"t{i}": (s, FakeDelivery())
+            for i, s in enumerate([scored(0, 1.0), scored(1, 0.0, "pool exhausted"), scored(2, 0.0)])
+        }
+    }
     trainer.ready = ["g"]
     asyncio.run(trainer._train())
     # valid rewards 1, 0 -> mean 0.5 -> advantages +0.5, -0.5; t1 (infra, reward 0 placeholder)
@@ -342,12 +418,21 @@ def test_micro_batches_give_the_same_update(variant):
     whole batch at once: same loss, statistics and parameters after it. (The
     load-balancing term is computed per chunk, so it is compared loosely and left out of
     the parameter check.)"""
+    from kiln.learner.parallel import policy_gradient_step
     from kiln.shared.model import MoEConfig, MoEForCausalLM, sequence_logprobs
 
-    from kiln.learner.parallel import policy_gradient_step
-
-    cfg = MoEConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        router_aux_loss_coef=0.0,
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (4, 24), generator=g)
     attn = torch.ones_like(ids)
@@ -363,9 +448,17 @@ def test_micro_batches_give_the_same_update(variant):
         behaviour = lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
         shard = {"ids": ids, "attn": attn, "mask": mask, "behaviour": behaviour, "adv": adv}
         opt = torch.optim.SGD(model.parameters(), lr=0.1)  # linear in the gradient (Adam's first step is its sign)
-        out = policy_gradient_step(model, opt, shard, global_tokens=float(mask.sum()), loss=LossConfig(loss=variant),
-                                   temperature=1.0, max_grad_norm=1.0, prox_logp=lp if variant == "decoupled_ppo" else None,
-                                   micro_batch=micro)  # fmt: skip
+        out = policy_gradient_step(
+            model,
+            opt,
+            shard,
+            global_tokens=float(mask.sum()),
+            loss=LossConfig(loss=variant),
+            temperature=1.0,
+            max_grad_norm=1.0,
+            prox_logp=lp if variant == "decoupled_ppo" else None,
+            micro_batch=micro,
+        )
         outs.append(out)
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     for out, p in zip(outs[1:], params[1:]):

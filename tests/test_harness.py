@@ -17,11 +17,7 @@ import time
 
 import openai
 import pytest
-
-from kiln.shared import chat
-from kiln.shared import contracts as c
-from kiln.shared.http import serve_http
-from kiln.shared.toolformats import FORMATS, tool_format
+from test_agent import TASK, TOK, ScriptedEngine, request, tool_call
 
 from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
@@ -29,12 +25,21 @@ from kiln.rollout.engine import Generation
 from kiln.rollout.episode import Budget, Episode
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
+from kiln.shared import chat
+from kiln.shared import contracts as c
+from kiln.shared.http import serve_http
+from kiln.shared.toolformats import FORMATS, tool_format
 
-from test_agent import TASK, TOK, ScriptedEngine, request, tool_call
-
-TOOLS = [{"type": "function", "function": {"name": "run_terminal_cmd", "description": "run a shell command",
-                                            "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
-                                                           "required": ["command"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_terminal_cmd",
+            "description": "run a shell command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        },
+    }
+]
 
 
 class Scripted(ScriptedEngine):
@@ -77,8 +82,16 @@ async def endpoint():
 
     def new(engine, *, max_tokens=10_000, calls=50, deadline=None, wait_resume=None, fmt="hermes"):
         budget = Budget(max_tokens, calls, deadline or time.time() + 600, 256)
-        e = Episode("e1", engine, TOK, tool_format(fmt), budget, seed=1, temperature=1.0,
-                    wait_resume=wait_resume or (lambda: asyncio.sleep(0)))  # fmt: skip
+        e = Episode(
+            "e1",
+            engine,
+            TOK,
+            tool_format(fmt),
+            budget,
+            seed=1,
+            temperature=1.0,
+            wait_resume=wait_resume or (lambda: asyncio.sleep(0)),
+        )
         key = ep.register(e, c.SandboxRef(node_id="n", sandbox_id="sb"))
         return e, openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
@@ -89,8 +102,14 @@ async def endpoint():
 
 async def test_openai_client_tools_stream_samples_and_exact_tokens(endpoint):
     new, _ = endpoint
-    engine = Scripted(["Let me run it." + tool_call("run_terminal_cmd", command="python -m pytest"),
-                       "Fixed.", "Also fixed.", "Done, both ways."])  # fmt: skip
+    engine = Scripted(
+        [
+            "Let me run it." + tool_call("run_terminal_cmd", command="python -m pytest"),
+            "Fixed.",
+            "Also fixed.",
+            "Done, both ways.",
+        ]
+    )
     ep, client = new(engine)
     assert [m.id for m in (await client.models.list()).data] == ["kiln-test"]
     msgs = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "fix calc.py"}]
@@ -98,10 +117,15 @@ async def test_openai_client_tools_stream_samples_and_exact_tokens(endpoint):
     (choice,) = r.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me run it."
     (call,) = choice.message.tool_calls
-    assert call.function.name == "run_terminal_cmd" and json.loads(call.function.arguments) == {"command": "python -m pytest"}
+    assert call.function.name == "run_terminal_cmd" and json.loads(call.function.arguments) == {
+        "command": "python -m pytest"
+    }
     assert r.usage.completion_tokens == len(engine.generated[0][0])
     # The harness keeps the answer, adds the tool's result, asks for two samples, streamed.
-    msgs += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "1 failed"}]
+    msgs += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "1 failed"},
+    ]
     stream = await client.chat.completions.create(model="kiln-test", messages=msgs, tools=TOOLS, n=2, stream=True)
     texts: dict[int, str] = {}
     finishes = {}
@@ -140,9 +164,20 @@ async def test_a_harness_that_rewrites_history_splits_the_trajectory(endpoint):
     ep.finish()
     (seg,) = ep.segments
     assert "does not extend" in seg.reason and "rewrote" in seg.reason
-    traj = c.Trajectory(run_id="r", trajectory_id="t", group_id="g", task_id="x", sample_index=0, dispatch_version=0,
-                        status=c.TrajectoryStatus.FINISHED, token_ids=ep.seq.ids, logprobs=ep.seq.logprobs, token_versions=ep.seq.versions,
-                        loss_mask=ep.seq.mask, segments=ep.segments)  # fmt: skip
+    traj = c.Trajectory(
+        run_id="r",
+        trajectory_id="t",
+        group_id="g",
+        task_id="x",
+        sample_index=0,
+        dispatch_version=0,
+        status=c.TrajectoryStatus.FINISHED,
+        token_ids=ep.seq.ids,
+        logprobs=ep.seq.logprobs,
+        token_versions=ep.seq.versions,
+        loss_mask=ep.seq.mask,
+        segments=ep.segments,
+    )
     before, after = traj.sequences()
     assert after.start == seg.start and traj.token_ids[after][: len(engine.prompts[2])] == engine.prompts[2]
     # Each generated token trained once: the second answer (never kept) closes the first segment.
@@ -158,7 +193,10 @@ async def test_suspension_stays_inside_the_call(endpoint):
 
     ep, client = new(engine, wait_resume=resume)
     r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}])
-    assert r.choices[0].message.content == "A long answer that a new version interrupts." and r.choices[0].finish_reason == "stop"
+    assert (
+        r.choices[0].message.content == "A long answer that a new version interrupts."
+        and r.choices[0].finish_reason == "stop"
+    )
     ep.finish()
     versions = [v for _, _, v in trained(ep.seq)]
     assert versions[0] == 3 and versions[-1] == 4 and sorted(versions) == versions
@@ -191,13 +229,28 @@ async def test_budgets_bad_requests_and_foreign_keys(endpoint):
 def test_tool_formats_round_trip(name):
     fmt = FORMATS[name]
     calls = [("run_terminal_cmd", {"command": "ls -la"}), ("edit_file", {"path": "a.py", "old": "x", "new": "y"})]
-    tools = TOOLS + [{"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {
-        "path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}}}}}]  # fmt: skip
+    tools = TOOLS + [
+        {
+            "type": "function",
+            "function": {
+                "name": "edit_file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}},
+                },
+            },
+        }
+    ]
     prose, parsed = fmt.parse(fmt.render(calls), tools)
     assert [(p.name, p.arguments) for p in parsed] == calls and not any(p.error for p in parsed)
     assert fmt.instructions(tools) and not fmt.instructions([])
-    _, bad = fmt.parse({"hermes": "<tool_call>{oops</tool_call>", "qwen3_coder": "<tool_call><function=x>",
-                        "llama3_json": '{"name": "x", "parameters": [1]}'}[name])  # fmt: skip
+    _, bad = fmt.parse(
+        {
+            "hermes": "<tool_call>{oops</tool_call>",
+            "qwen3_coder": "<tool_call><function=x>",
+            "llama3_json": '{"name": "x", "parameters": [1]}',
+        }[name]
+    )
     assert bad and bad[0].error
 
 
@@ -211,7 +264,10 @@ async def fix_with_the_client(task, client, sandbox):
     call = r.choices[0].message.tool_calls[0]
     out = await sandbox.exec(json.loads(call.function.arguments)["command"], 30)
     await sandbox.exec("sed -i 's/a - b/a + b/' calc.py", 30)
-    msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": out.stdout}]
+    msgs += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": out.stdout},
+    ]
     await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
 
 
@@ -221,7 +277,14 @@ async def crash(task, client, sandbox):
 
 
 def spec(deadline_s: float = 60) -> EpisodeSpec:
-    return EpisodeSpec(request=request(deadline=time.time() + deadline_s), sample_index=0, task=TASK, worker_id="w", seed=1, temperature=1.0)
+    return EpisodeSpec(
+        request=request(deadline=time.time() + deadline_s),
+        sample_index=0,
+        task=TASK,
+        worker_id="w",
+        seed=1,
+        temperature=1.0,
+    )
 
 
 async def run(envpool, engine, harness: HarnessSettings, deadline_s: float = 60) -> c.Trajectory:
@@ -229,8 +292,9 @@ async def run(envpool, engine, harness: HarnessSettings, deadline_s: float = 60)
     ep = Endpoint("m", envpool)
     url, task = await serve_http(ep.app, "127.0.0.1", 0, "", stop)
     try:
-        return await run_harness_episode(spec(deadline_s), engine, TOK, envpool, RolloutSettings(harness=harness), ep, url,
-                                         lambda: asyncio.sleep(0))  # fmt: skip
+        return await run_harness_episode(
+            spec(deadline_s), engine, TOK, envpool, RolloutSettings(harness=harness), ep, url, lambda: asyncio.sleep(0)
+        )
     finally:
         await ep.close()
         stop.set()
@@ -241,7 +305,9 @@ async def run(envpool, engine, harness: HarnessSettings, deadline_s: float = 60)
 async def test_python_harness_runs_in_the_sandbox_and_records_its_episode(envpool):
     engine = Scripted(["I will look." + tool_call("run_terminal_cmd", command="cat calc.py"), "Fixed."])
     t = await run(envpool, engine, HarnessSettings(kind="python", entry="test_harness:fix_with_the_client"))
-    assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "harness_done" and t.num_turns == 2, t.harness_log
+    assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "harness_done" and t.num_turns == 2, (
+        t.harness_log
+    )
     assert t.final_diff.changed == {"calc.py": "def add(a, b):\n    return a + b\n"}
     assert [(x, lp, v) for x, lp, v, m in zip(t.token_ids, t.logprobs, t.token_versions, t.loss_mask) if m] == [
         x for g in engine.generated for x in zip(*g)
@@ -253,7 +319,7 @@ async def test_python_harness_runs_in_the_sandbox_and_records_its_episode(envpoo
 async def test_command_harness_uses_the_bridge(envpool):
     # Any language: here bash and curl-less Python, calling the endpoint and kiln-exec.
     script = (
-        f"{sys.executable} -c \"import openai,os; c=openai.OpenAI(max_retries=0); "
+        f'{sys.executable} -c "import openai,os; c=openai.OpenAI(max_retries=0); '
         "print(c.chat.completions.create(model='m', messages=[{'role':'user','content':os.environ['KILN_PROBLEM_STATEMENT']}]).choices[0].message.content)\" "
         f"&& {sys.executable} -m kiln.rollout.harness.bridge \"sed -i 's/a - b/a + b/' calc.py\" && {sys.executable} -m kiln.rollout.harness.bridge cat calc.py"
     )
@@ -264,17 +330,24 @@ async def test_command_harness_uses_the_bridge(envpool):
     await envpool.destroy(t.sandbox)
 
 
-@pytest.mark.parametrize("harness,outcome,log", [
-    (HarnessSettings(kind="python", entry="test_harness:crash"), "harness_error", "fell over"),
-    (HarnessSettings(kind="command", entry="echo started; exit 3"), "harness_error", "exit code 3"),
-    (HarnessSettings(kind="command", entry="exec sleep 3600", grace_s=0.5), "timeout", ""),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "harness,outcome,log",
+    [
+        (HarnessSettings(kind="python", entry="test_harness:crash"), "harness_error", "fell over"),
+        (HarnessSettings(kind="command", entry="echo started; exit 3"), "harness_error", "exit code 3"),
+        (HarnessSettings(kind="command", entry="exec sleep 3600", grace_s=0.5), "timeout", ""),
+    ],
+)
 async def test_a_failing_harness_ends_with_its_reason_and_no_sandbox(envpool, bus, harness, outcome, log):
     # Only the hanging harness meets its deadline; the others end by themselves first.
     t = await run(envpool, Scripted(["x"]), harness, deadline_s=2 if outcome == "timeout" else 120)
     assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == outcome and t.sandbox is None
     assert log in t.harness_log
-    stats = await envpool.stats((await envpool.bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id=TASK.id), c.SandboxCreated)).sandbox.node_id)
+    stats = await envpool.stats(
+        (
+            await envpool.bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id=TASK.id), c.SandboxCreated)
+        ).sandbox.node_id
+    )
     assert stats.leased == 1  # only the one just created to ask: the harness's is gone
 
 
@@ -294,8 +367,16 @@ async def test_a_repeated_answer_is_written_as_each_of_its_own_tokens():
             return await super().generate(prompt_ids, max_new_tokens, stop_ids, temperature, seed)
 
     engine = Twice(["I checked it." + chat.EOS] * 2 + ["Thanks, all done here." + chat.EOS])
-    e = Episode("e", engine, TOK, tool_format("hermes"), Budget(10_000, 10, time.time() + 600, 64), seed=1, temperature=1.0,
-                wait_resume=None)  # fmt: skip
+    e = Episode(
+        "e",
+        engine,
+        TOK,
+        tool_format("hermes"),
+        Budget(10_000, 10, time.time() + 600, 64),
+        seed=1,
+        temperature=1.0,
+        wait_resume=None,
+    )
     msgs = [{"role": "user", "content": "check it"}]
     for follow in ("again", "once more"):
         (ch,) = (await e.complete(msgs, [])).choices
@@ -305,4 +386,6 @@ async def test_a_repeated_answer_is_written_as_each_of_its_own_tokens():
     await e.complete(msgs, [])
     e.finish()
     assert not e.segments and all(rec.extended for rec in e.calls[1:])
-    assert [t for t, m in zip(e.seq.ids, e.seq.mask) if m] == first.ids + second.ids + e.calls[2].choices[0].completion.ids
+    assert [t for t, m in zip(e.seq.ids, e.seq.mask) if m] == first.ids + second.ids + e.calls[2].choices[
+        0
+    ].completion.ids

@@ -12,13 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from kiln.shared import contracts as c
+from test_harness import Scripted, run
 
 from kiln.rollout.config import HarnessSettings
-
-from test_agent import TASK
-from test_harness import Scripted, run
 
 REPO = Path(__file__).resolve().parents[1]
 BASH = {"type": "function", "function": {"name": "bash"}}
@@ -39,12 +35,17 @@ def mswea_venv(tmp_path_factory) -> Path:
 
 async def test_mini_swe_agent_fixes_the_task_in_the_sandbox(envpool, mswea_venv, monkeypatch):
     monkeypatch.chdir(REPO)  # KILN_WORKDIR: where the harness script is
-    engine = Scripted([
-        "Let me fix the bug." + bash_call("sed -i 's/a - b/a + b/' calc.py && cat calc.py"),
-        "Done." + bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
-    ])  # fmt: skip
-    harness = HarnessSettings(kind="command", entry='bash "$KILN_WORKDIR/scripts/harness-mini-swe-agent.sh"',
-                              env={"KILN_MSWEA_VENV": str(mswea_venv)})  # fmt: skip
+    engine = Scripted(
+        [
+            "Let me fix the bug." + bash_call("sed -i 's/a - b/a + b/' calc.py && cat calc.py"),
+            "Done." + bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+        ]
+    )
+    harness = HarnessSettings(
+        kind="command",
+        entry='bash "$KILN_WORKDIR/scripts/harness-mini-swe-agent.sh"',
+        env={"KILN_MSWEA_VENV": str(mswea_venv)},
+    )
     t = await run(envpool, engine, harness, deadline_s=300)
     assert t.finish_reason == "harness_done", t.harness_log
     assert "exit status: Submitted" in t.harness_log
@@ -68,16 +69,29 @@ def test_the_mini_swe_agent_preset_trains(tmp_path, mswea_venv):
     from kiln.shared.embedded import PostgresServer
 
     proc = subprocess.run(
-        [str(REPO / ".venv" / "bin" / "kiln"), "run", "--config", str(REPO / "configs" / "harness-mini-swe-agent.toml"),
-         "--set", f"run.root={tmp_path}", "--set", f'rollout.harness.env={{KILN_MSWEA_VENV = "{mswea_venv}"}}'],
-        capture_output=True, text=True, timeout=800, cwd=REPO,
-    )  # fmt: skip
+        [
+            str(REPO / ".venv" / "bin" / "kiln"),
+            "run",
+            "--config",
+            str(REPO / "configs" / "harness-mini-swe-agent.toml"),
+            "--set",
+            f"run.root={tmp_path}",
+            "--set",
+            f'rollout.harness.env={{KILN_MSWEA_VENV = "{mswea_venv}"}}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     pg = PostgresServer(run_dir / "db" / "pg").start()
     try:
         with psycopg.connect(pg.url) as conn:
-            rows = conn.execute("SELECT finish_reason, num_turns, num_generated, trained_version, infra_error FROM trajectories").fetchall()
+            rows = conn.execute(
+                "SELECT finish_reason, num_turns, num_generated, trained_version, infra_error FROM trajectories"
+            ).fetchall()
     finally:
         pg.stop()
     assert len(rows) == 4 and all(r[0] in ("harness_done", "harness_error") and r[4] is None for r in rows), rows

@@ -30,13 +30,11 @@ from urllib.parse import urlsplit
 import kubernetes_validate  # requirements-dev.txt: the schemas ship inside it (offline)
 import pytest
 import yaml
+from test_compose import COMPOSE_FILE, _interpolate, _MigrateConfig, _resolve_env_key
 
 from kiln.shared.busauth import ADMIN, denied
 from kiln.shared.config import load_config
 from kiln.shared.registry import discover
-
-from test_compose import COMPOSE_FILE, _interpolate, _MigrateConfig, _resolve_env_key
-
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -119,7 +117,9 @@ def _env(objects, container: dict) -> dict[str, dict]:
     configmaps = _by_kind(objects, "ConfigMap")
     out: dict[str, dict] = {}
     for src in container.get("envFrom", []):
-        assert "configMapRef" in src, f"{container['name']}: envFrom {src}: credentials come one by one from secretKeyRef"
+        assert "configMapRef" in src, (
+            f"{container['name']}: envFrom {src}: credentials come one by one from secretKeyRef"
+        )
         for k, v in configmaps[src["configMapRef"]["name"]]["data"].items():
             out[k] = {"value": v}
     for e in container.get("env", []):
@@ -166,13 +166,17 @@ def test_every_object_is_in_the_kiln_namespace(objects, kustomization):
 
 def test_every_kiln_compose_service_has_a_workload_with_its_image(objects, compose, kustomization, registry):
     workloads = _workloads(objects)
-    built = {n: s for n, s in compose["services"].items() if s.get("build") or str(s.get("image", "")).startswith("kiln/")}
+    built = {
+        n: s for n, s in compose["services"].items() if s.get("build") or str(s.get("image", "")).startswith("kiln/")
+    }
     assert set(registry) <= set(built)
     for name, svc in built.items():
         assert name in workloads, f"compose service {name!r} has no workload in deploy/k8s"
         repo, tag = svc["image"].split(":")
         main = _pod(workloads[name])["spec"]["containers"][0]
-        assert _image(kustomization, main["image"]) == (repo, tag), f"{name}: {main['image']} is not compose's {svc['image']}"
+        assert _image(kustomization, main["image"]) == (repo, tag), (
+            f"{name}: {main['image']} is not compose's {svc['image']}"
+        )
         if name in registry:  # a service runs its image's own command
             assert "command" not in main and "args" not in main, f"{name} overrides its image's command"
     eval_env = _env(objects, _pod(workloads["rollout-eval"])["spec"]["containers"][0])
@@ -190,7 +194,9 @@ def test_the_learner_is_one_resumable_stateful_pod_with_a_gpu(objects, registry)
     env = _env(objects, c)
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     claims = {t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]}
-    assert mounts.get(env["KILN_LEARNER__CHECKPOINT_DIR"]["value"]) in claims, "checkpoints must be on the pod's own volume"
+    assert mounts.get(env["KILN_LEARNER__CHECKPOINT_DIR"]["value"]) in claims, (
+        "checkpoints must be on the pod's own volume"
+    )
     service = _by_kind(objects, "Service")[learner["spec"]["serviceName"]]
     assert service["spec"]["clusterIP"] == "None"
 
@@ -209,7 +215,9 @@ def test_staging_and_store_share_the_run_folder(objects):
         claims[name] = volume["persistentVolumeClaim"]["claimName"]
         for key in ("KILN_LEARNER__STAGING_DIR", "KILN_WEIGHTS__STORE_DIR"):
             if key in env:
-                assert PurePosixPath(run_dir) in PurePosixPath(env[key]["value"]).parents, f"{name}: {key} is off the run folder"
+                assert PurePosixPath(run_dir) in PurePosixPath(env[key]["value"]).parents, (
+                    f"{name}: {key} is off the run folder"
+                )
     assert len(set(claims.values())) == 1, claims
     pvc = _by_kind(objects, "PersistentVolumeClaim")[claims["learner"]]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], "two pods mount the run folder"
@@ -239,7 +247,9 @@ def test_volumes_and_claims_exist(objects):
 
 def test_the_experiment_is_configs_tiny(objects):
     cm = _by_kind(objects, "ConfigMap")["kiln-experiment"]
-    assert cm["data"]["experiment.toml"] == (ROOT / "configs" / "tiny.toml").read_text(), "config.yaml: copy configs/tiny.toml again"
+    assert cm["data"]["experiment.toml"] == (ROOT / "configs" / "tiny.toml").read_text(), (
+        "config.yaml: copy configs/tiny.toml again"
+    )
 
 
 @pytest.mark.parametrize("name", ["env-pool", "weights", "reward", "rollout", "rollout-eval", "learner", "migrate"])
@@ -248,14 +258,18 @@ def test_env_names_are_settings_of_the_service_and_load(objects, registry, name,
     c = _pod(w)["spec"]["containers"][0]
     env = _env(objects, c)
     cls = _MigrateConfig if name == "migrate" else registry[_service_of(name)].config_class()
-    problems = [why for k in env if k.startswith("KILN_") and k not in NOT_SETTINGS and (why := _resolve_env_key(k, [cls]))]
+    problems = [
+        why for k in env if k.startswith("KILN_") and k not in NOT_SETTINGS and (why := _resolve_env_key(k, [cls]))
+    ]
     assert not problems, f"{name} ({cls.__name__}):\n" + "\n".join(problems)
     for key in [k for k in os.environ if k.startswith("KILN_")]:
         monkeypatch.delenv(key)
     config_file = None
     for k, v in env.items():
         if k == "KILN_CONFIG":
-            mount = next(m for m in c["volumeMounts"] if PurePosixPath(m["mountPath"]) in PurePosixPath(v["value"]).parents)
+            mount = next(
+                m for m in c["volumeMounts"] if PurePosixPath(m["mountPath"]) in PurePosixPath(v["value"]).parents
+            )
             volume = next(x for x in _pod(w)["spec"]["volumes"] if x["name"] == mount["name"])
             data = _by_kind(objects, "ConfigMap")[volume["configMap"]["name"]]["data"]
             config_file = tmp_path / "experiment.toml"
@@ -293,13 +307,20 @@ def test_credentials_only_come_from_secrets(objects, generated_secrets):
         for c in _containers(w):
             for k, v in _env(objects, c).items():
                 if _is_credential(k):
-                    assert "secret" in v, f"{name}: {k} is written in the manifest; take it from a Secret (secretKeyRef)"
+                    assert "secret" in v, (
+                        f"{name}: {k} is written in the manifest; take it from a Secret (secretKeyRef)"
+                    )
                 if "secret" in v:
                     secret, key = v["secret"]
-                    assert key in made.get(secret, {}), f"{name}: {k} reads {secret}/{key}, which make_secrets.py does not make"
+                    assert key in made.get(secret, {}), (
+                        f"{name}: {k} reads {secret}/{key}, which make_secrets.py does not make"
+                    )
             if "KILN_NATS__PASSWORD" in (env := _env(objects, c)):
                 own = f"kiln-nats-{_service_of(name)}"
-                assert env["KILN_NATS__USER"]["secret"] == (own, "user") and env["KILN_NATS__PASSWORD"]["secret"] == (own, "password")
+                assert env["KILN_NATS__USER"]["secret"] == (own, "user") and env["KILN_NATS__PASSWORD"]["secret"] == (
+                    own,
+                    "password",
+                )
                 assert made[own]["user"] == _service_of(name)
 
 
@@ -330,7 +351,9 @@ def test_pods_are_restricted_but_for_what_sandboxes_need(objects):
     for name, w in _workloads(objects).items():
         pod = _pod(w)
         spec = pod["spec"]
-        assert pod["metadata"]["labels"].get("app.kubernetes.io/part-of") == "kiln", f"{name}: the network policies select by it"
+        assert pod["metadata"]["labels"].get("app.kubernetes.io/part-of") == "kiln", (
+            f"{name}: the network policies select by it"
+        )
         assert spec.get("automountServiceAccountToken") is False, f"{name} needs no API token"
         for flag in ("hostNetwork", "hostPID", "hostIPC"):
             assert not spec.get(flag), f"{name} sets {flag}"
@@ -344,10 +367,16 @@ def test_pods_are_restricted_but_for_what_sandboxes_need(objects):
             assert sc["allowPrivilegeEscalation"] is False, f"{name}/{c['name']}"
             assert sc["capabilities"] == {"drop": ["ALL"]}, f"{name}/{c['name']}: no capability is needed"
             assert sc.get("runAsUser", KILN_UID) != 0 and sc.get("runAsNonRoot", True), name
-            relaxed = [k for k in ("seccompProfile", "appArmorProfile") if sc.get(k, {}).get("type", "RuntimeDefault") != "RuntimeDefault"]
+            relaxed = [
+                k
+                for k in ("seccompProfile", "appArmorProfile")
+                if sc.get(k, {}).get("type", "RuntimeDefault") != "RuntimeDefault"
+            ]
             if sc.get("procMount", "Default") != "Default":
                 relaxed.append("procMount")
-                assert spec.get("hostUsers") is False, f"{name}: an unmasked /proc only in a user namespace of the pod's own"
+                assert spec.get("hostUsers") is False, (
+                    f"{name}: an unmasked /proc only in a user namespace of the pod's own"
+                )
             assert not relaxed or justified, (
                 f"{name}/{c['name']} relaxes {relaxed}; only {sorted(JUSTIFIED)} may, with a {PRIVILEGES_ANNOTATION} annotation"
             )
@@ -356,7 +385,10 @@ def test_pods_are_restricted_but_for_what_sandboxes_need(objects):
 def test_env_pool_can_run_bubblewrap(objects, compose):
     pod = _pod(_workloads(objects)["env-pool"])
     sc = pod["spec"]["containers"][0]["securityContext"]
-    assert sc["seccompProfile"]["type"] == "Unconfined" and "seccomp=unconfined" in compose["services"]["env-pool"]["security_opt"]
+    assert (
+        sc["seccompProfile"]["type"] == "Unconfined"
+        and "seccomp=unconfined" in compose["services"]["env-pool"]["security_opt"]
+    )
     assert sc["appArmorProfile"]["type"] == "Unconfined" and sc["procMount"] == "Unmasked"
     shm = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm")
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == shm["name"])
@@ -389,11 +421,15 @@ def test_probes_reach_what_the_service_serves(objects, name):
     http_port = {"env-pool": "KILN_ENVPOOL__HTTP_PORT", "weights": "KILN_WEIGHTS__HTTP_PORT"}.get(name)
     for p in probes:
         if http_port:  # an unauthenticated /healthz on the operator API
-            assert p["httpGet"]["path"] == "/healthz" and _port(c, p["httpGet"]["port"]) == int(env[http_port]["value"]), name
+            assert p["httpGet"]["path"] == "/healthz" and _port(c, p["httpGet"]["port"]) == int(
+                env[http_port]["value"]
+            ), name
         else:  # the health file the service touches every 5 s
             argv = p["exec"]["command"]
             assert argv[:2] == ["kiln", "health"], name
-            assert argv[argv.index("--file") + 1] == env["KILN_TELEMETRY__HEALTH_FILE"]["value"].replace("{service}", name)
+            assert argv[argv.index("--file") + 1] == env["KILN_TELEMETRY__HEALTH_FILE"]["value"].replace(
+                "{service}", name
+            )
             assert float(argv[argv.index("--max-age") + 1]) > 5
     assert _port(c, "metrics") == int(env["KILN_TELEMETRY__METRICS_PORT"]["value"]), f"{name}: /metrics port"
     assert env["KILN_TELEMETRY__METRICS_TOKEN"].get("secret"), f"{name}: /metrics beyond loopback needs its token"
@@ -413,7 +449,9 @@ def test_services_only_for_what_must_be_reachable(objects):
     assert url.hostname == "kiln-weights" and url.port == services["kiln-weights"]["spec"]["ports"][0]["port"]
     for name in ("rollout", "rollout-eval"):
         env = _env(objects, _pod(workloads[name])["spec"]["containers"][0])
-        assert env["KILN_WEIGHTS__TRANSPORT__KIND"]["value"] == "http" and env["KILN_WEIGHTS__HTTP_TOKEN"]["secret"] == ("kiln-weights-http", "token")
+        assert env["KILN_WEIGHTS__TRANSPORT__KIND"]["value"] == "http" and env["KILN_WEIGHTS__HTTP_TOKEN"][
+            "secret"
+        ] == ("kiln-weights-http", "token")
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -423,7 +461,9 @@ def _selects(selector: dict, labels: dict) -> bool:
 def test_env_pool_reaches_nats_and_dns_only(objects):
     labels = _pod(_workloads(objects)["env-pool"])["metadata"]["labels"]
     policies = [p for p in _by_kind(objects, "NetworkPolicy").values() if _selects(p["spec"]["podSelector"], labels)]
-    assert any("Egress" in p["spec"]["policyTypes"] and not p["spec"].get("egress") for p in policies), "no default deny"
+    assert any("Egress" in p["spec"]["policyTypes"] and not p["spec"].get("egress") for p in policies), (
+        "no default deny"
+    )
     for p in policies:
         for rule in p["spec"].get("egress", []):
             assert rule.get("to"), f"{p['metadata']['name']} lets env-pool reach any address"
@@ -448,7 +488,10 @@ def test_ray_overlay_launches_the_learner_through_ray(objects, registry, generat
     kz = yaml.safe_load((ray_dir / "kustomization.yaml").read_text())
     assert ".." in kz["resources"]
     patch = _docs(ray_dir / kz["patches"][0]["path"])[0]
-    assert (patch["kind"], patch["metadata"]["name"]) == ("StatefulSet", _workloads(objects)["learner"]["metadata"]["name"])
+    assert (patch["kind"], patch["metadata"]["name"]) == (
+        "StatefulSet",
+        _workloads(objects)["learner"]["metadata"]["name"],
+    )
     c = patch["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in c["env"]}
     cls = registry["learner"].config_class()
@@ -463,17 +506,22 @@ def test_ray_overlay_launches_the_learner_through_ray(objects, registry, generat
     # KubeRay puts RAY_AUTH_MODE=token and the Secret's auth_token into every Ray container.
     assert cluster["spec"]["authOptions"]["mode"] == "token" and env["RAY_AUTH_MODE"]["value"] == "token"
     ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
-    assert ref == {"name": cluster["spec"]["authOptions"]["secretName"], "key": "auth_token"} and ref["key"] in made[ref["name"]]
+    assert (
+        ref == {"name": cluster["spec"]["authOptions"]["secretName"], "key": "auth_token"}
+        and ref["key"] in made[ref["name"]]
+    )
     for pod in pods:
         rc = pod["spec"]["containers"][0]
         assert rc["image"].split(":")[0] == "kiln/learner"
-        assert pod["spec"]["securityContext"]["runAsUser"] == KILN_UID and rc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert pod["spec"]["securityContext"]["runAsUser"] == KILN_UID and rc["securityContext"]["capabilities"] == {
+            "drop": ["ALL"]
+        }
         assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kiln"
     workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
     checkpoints = PurePosixPath(env["KILN_LEARNER__CHECKPOINT_DIR"]["value"])
-    assert any(PurePosixPath(m["mountPath"]) in checkpoints.parents for m in workers["containers"][0]["volumeMounts"]), (
-        "every rank writes its checkpoint shards: the workers must mount the learner's checkpoint folder"
-    )
+    assert any(
+        PurePosixPath(m["mountPath"]) in checkpoints.parents for m in workers["containers"][0]["volumeMounts"]
+    ), "every rank writes its checkpoint shards: the workers must mount the learner's checkpoint folder"
     for o in _docs(ray_dir / "network-policies.yaml"):
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
 
@@ -482,6 +530,8 @@ def test_the_docs_name_every_file():
     doc = (ROOT / "docs" / "kubernetes.md").read_text()
     for p in K8S.rglob("*"):
         if p.is_file():
-            assert p.relative_to(K8S).as_posix() in doc, f"docs/kubernetes.md does not mention deploy/k8s/{p.relative_to(K8S)}"
+            assert p.relative_to(K8S).as_posix() in doc, (
+                f"docs/kubernetes.md does not mention deploy/k8s/{p.relative_to(K8S)}"
+            )
     for cmd in ("helm install nats nats/nats", "kubectl apply -k deploy/k8s", "make_secrets.py"):
         assert cmd in doc, cmd

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import InProcessPlatform, experiment, wait_for
 from test_learner_resume import STEPS, assert_trains_like_one, one_run
 
@@ -50,12 +49,23 @@ def ray_head(monkeypatch):
     temp = tempfile.mkdtemp(prefix="kr-")  # short: Ray's unix sockets live under it
     port = _free_port()
     argv = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-        "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false",
-        "--disable-usage-stats", f"--temp-dir={temp}", f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=2",
+        "--num-gpus=0",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+    ]
     log = Path(temp) / "head.log"
     proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -101,38 +111,55 @@ async def test_ray_launched_learner_trains_like_one_process(tmp_path, nats_serve
     (tmp_path / "b").mkdir()
     single, _, _, _ = await one_run(tmp_path / "a", nats_server, bus, pg_url, kill_after=None)
     multi, groups, run, logs = await one_run(
-        tmp_path / "b", nats_server, bus, pg_url, kill_after=2,
+        tmp_path / "b",
+        nats_server,
+        bus,
+        pg_url,
+        kill_after=2,
         learner_settings={"ep": 2, "launcher": "ray", "ray_address": ray_head, "rendezvous_host": "127.0.0.1"},
-    )  # fmt: skip
+    )
     # Rank 1's log reaches the learner's through Ray (log_to_driver), once per learner process.
     assert logs.count("rank 1 of 2 following rank 0") == 2, logs[-3000:]
     assert "restored the learner's state" in logs
     assert run.status == "finished" and len([g for g in groups if g.status == "trained"]) == STEPS * 2
     assert_trains_like_one(single, multi, tmp_path / "a")
     # The killed learner's actor and the finished one's placement group are gone.
-    await wait_for(lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again")
+    await wait_for(
+        lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 async def test_a_lost_ray_rank_fails_the_learner(tmp_path, nats_server, bus, pg_url, ray_head):
     exp = experiment(
-        tmp_path, nats_server.url, pg_url, run={"id": "ray-lost", "dir": str(tmp_path), "seed": 0},
+        tmp_path,
+        nats_server.url,
+        pg_url,
+        run={"id": "ray-lost", "dir": str(tmp_path), "seed": 0},
         algorithm={"steps": STEPS, "groups_per_step": 2, "samples_per_group": 2},
         # rendezvous_host left empty: rank 0's address as Ray sees it (loopback here).
         learner={"tokenizer_corpus_repeats": 1, "ep": 2, "launcher": "ray", "ray_address": ray_head},
-    )  # fmt: skip
+    )
     platform = InProcessPlatform(exp)
     await platform.start("weights")
     argv = platform.services["learner"].argv(platform.config("learner"))
     log = tmp_path / "learner.log"
     proc = subprocess.Popen(
-        [*argv, "--config", str(exp), "--instance", "learner-lost"], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "KILN_CONFIG": str(exp)}, start_new_session=True,
-    )  # fmt: skip
+        [*argv, "--config", str(exp), "--instance", "learner-lost"],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "KILN_CONFIG": str(exp)},
+        start_new_session=True,
+    )
     text = lambda: log.read_text(errors="replace")  # noqa: E731
     try:
-        follower = await wait_for(lambda: re.search(r"\(_Rank pid=(\d+)\)[^\n]*rank 1 of 2 following rank 0", text()), 180, 0.2, "rank 1 following")
+        follower = await wait_for(
+            lambda: re.search(r"\(_Rank pid=(\d+)\)[^\n]*rank 1 of 2 following rank 0", text()),
+            180,
+            0.2,
+            "rank 1 following",
+        )
         await wait_for(lambda: "kiln.learner: policy:" in text(), 180, 0.2, "rank 0 serving")
         os.kill(int(follower.group(1)), signal.SIGKILL)  # rank 1's actor process, a child of our Ray head
         rc = await asyncio.to_thread(proc.wait, 180)
@@ -143,4 +170,6 @@ async def test_a_lost_ray_rank_fails_the_learner(tmp_path, nats_server, bus, pg_
         await platform.stop_all()
     assert rc != 0, text()[-3000:]
     assert "a Ray rank of the learner ended early" in text(), text()[-3000:]
-    await wait_for(lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again")
+    await wait_for(
+        lambda: asyncio.to_thread(lambda: _idle_cpus(ray_head) == 2.0), 120, 1.0, "the Ray cluster's 2 CPUs free again"
+    )

@@ -13,17 +13,15 @@ import os
 import random
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
+from harness import InProcessPlatform, experiment, wait_for
 from safetensors.torch import load_file
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, TaskGroup
-
-from harness import InProcessPlatform, experiment, wait_for
 
 STEPS = 4
 LR = 1e-2
@@ -37,11 +35,18 @@ def scripted(req: c.RolloutRequest) -> list[c.ScoredTrajectory]:
         prompt, gen = rng.randint(8, 20), rng.randint(4, 12)
         ids = [rng.randrange(1, 200) for _ in range(prompt + gen)]
         t = c.Trajectory(
-            run_id=req.run_id, trajectory_id=f"{req.group_id}-s{i}", group_id=req.group_id, task_id=req.task_id,
-            sample_index=i, dispatch_version=req.dispatch_version, status=c.TrajectoryStatus.FINISHED,
-            token_ids=ids, logprobs=[0.0] * prompt + [rng.uniform(-4, -1) for _ in range(gen)],
-            token_versions=[-1] * prompt + [req.dispatch_version] * gen, loss_mask=[0] * prompt + [1] * gen,
-        )  # fmt: skip
+            run_id=req.run_id,
+            trajectory_id=f"{req.group_id}-s{i}",
+            group_id=req.group_id,
+            task_id=req.task_id,
+            sample_index=i,
+            dispatch_version=req.dispatch_version,
+            status=c.TrajectoryStatus.FINISHED,
+            token_ids=ids,
+            logprobs=[0.0] * prompt + [rng.uniform(-4, -1) for _ in range(gen)],
+            token_versions=[-1] * prompt + [req.dispatch_version] * gen,
+            loss_mask=[0] * prompt + [1] * gen,
+        )
         reward = float(rng.random() < 0.5)
         out.append(c.ScoredTrajectory(trajectory=t, reward=reward, passed=bool(reward)))
     return out
@@ -67,10 +72,14 @@ def descendants(pid: int) -> list[int]:
 
 async def one_run(run_dir, nats_server, bus, pg_url, kill_after: int | None, learner_settings: dict | None = None):
     exp = experiment(
-        run_dir, nats_server.url, pg_url, run={"id": f"resume-{run_dir.name}", "dir": str(run_dir), "seed": 0},
+        run_dir,
+        nats_server.url,
+        pg_url,
+        run={"id": f"resume-{run_dir.name}", "dir": str(run_dir), "seed": 0},
         algorithm={"steps": STEPS, "groups_per_step": 2, "samples_per_group": 2, "max_staleness": 0, "lr": LR},
-        nats={"ack_wait_s": {"learner": 3.0}}, learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, **(learner_settings or {})},
-    )  # fmt: skip
+        nats={"ack_wait_s": {"learner": 3.0}},
+        learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, **(learner_settings or {})},
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
     published: list[int] = []
@@ -82,7 +91,9 @@ async def one_run(run_dir, nats_server, bus, pg_url, kill_after: int | None, lea
         published.append(m.version)
 
     async def score(req: c.RolloutRequest, delivery):
-        seqs = [(await bus.publish(c.TRAJECTORY_SCORED, s, msg_id=s.trajectory.trajectory_id)).seq for s in scripted(req)]
+        seqs = [
+            (await bus.publish(c.TRAJECTORY_SCORED, s, msg_id=s.trajectory.trajectory_id)).seq for s in scripted(req)
+        ]
         if req.dispatch_version == kill_after and not held_seqs:
             held_seqs.extend(seqs)
         scored_for.append(req.dispatch_version)
@@ -102,9 +113,11 @@ async def one_run(run_dir, nats_server, bus, pg_url, kill_after: int | None, lea
     def learner(tag: str):
         return subprocess.Popen(
             [*argv, "--config", str(exp), "--instance", f"learner-{tag}"],
-            stdout=open(run_dir / f"learner-{tag}.log", "wb"), stderr=subprocess.STDOUT,
-            env={**os.environ, "KILN_CONFIG": str(exp)}, start_new_session=True,
-        )  # fmt: skip
+            stdout=open(run_dir / f"learner-{tag}.log", "wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "KILN_CONFIG": str(exp)},
+            start_new_session=True,
+        )
 
     try:
         proc = learner("a")
@@ -152,9 +165,9 @@ async def test_killed_learner_resumes_to_the_same_parameters(tmp_path, nats_serv
         assert len(trained) == STEPS * 2, [(g.group_id, g.status, g.reason) for g in groups]
         assert not [g for g in groups if g.status == "dropped" and g.reason != "run_finished"]
         assert sorted(g.trained_version for g in trained) == sorted(v for v in range(1, STEPS + 1) for _ in range(2))
-    assert [(g.task_id, g.trained_version) for g in sorted(groups_a, key=lambda g: g.group_id) if g.status == "trained"] == [
-        (g.task_id, g.trained_version) for g in sorted(groups_b, key=lambda g: g.group_id) if g.status == "trained"
-    ]
+    assert [
+        (g.task_id, g.trained_version) for g in sorted(groups_a, key=lambda g: g.group_id) if g.status == "trained"
+    ] == [(g.task_id, g.trained_version) for g in sorted(groups_b, key=lambda g: g.group_id) if g.status == "trained"]
     assert straight.keys() == resumed.keys()
     diff = [k for k in straight if not torch.equal(straight[k], resumed[k])]
     assert not diff, diff[:5]
@@ -185,7 +198,9 @@ async def test_two_rank_learner_trains_like_one(tmp_path, nats_server, bus, pg_u
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     single, _, _, _ = await one_run(tmp_path / "a", nats_server, bus, pg_url, kill_after=None)
-    multi, groups, run, logs = await one_run(tmp_path / "b", nats_server, bus, pg_url, kill_after=2, learner_settings={"ep": 2})
+    multi, groups, run, logs = await one_run(
+        tmp_path / "b", nats_server, bus, pg_url, kill_after=2, learner_settings={"ep": 2}
+    )
     assert "rank 1 of 2 following rank 0" in logs and "restored the learner's state" in logs
     assert run.status == "finished" and len([g for g in groups if g.status == "trained"]) == STEPS * 2
     assert_trains_like_one(single, multi, tmp_path / "a")

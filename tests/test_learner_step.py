@@ -10,21 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.learner.config import LearnerConfig
+from kiln.learner.grpo import LossConfig
+from kiln.learner.parallel import policy_gradient_step
 from kiln.shared.config import load_config
 from kiln.shared.model import MoEConfig, MoEForCausalLM, sequence_logprobs
 from kiln.shared.model import experts as experts_mod
 from kiln.shared.model import moe as moe_mod
-
-from kiln.learner.config import LearnerConfig
-from kiln.learner.grpo import LossConfig
-from kiln.learner.parallel import policy_gradient_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def preset_arch(name: str) -> MoEConfig:
     """The architecture a fresh run of ``configs/<name>.toml`` builds (vocabulary at its target)."""
-    arch = load_config(LearnerConfig, ROOT / "configs" / f"{name}.toml").model.model_dump(exclude={"init_from", "cache_dir"})
+    arch = load_config(LearnerConfig, ROOT / "configs" / f"{name}.toml").model.model_dump(
+        exclude={"init_from", "cache_dir"}
+    )
     return MoEConfig(**arch)
 
 
@@ -32,12 +33,31 @@ SHAPES = {
     "tiny": lambda: preset_arch("tiny"),
     "smoke": lambda: preset_arch("smoke"),
     # What upcycling a Llama produces (Mixtral layout), at a small size.
-    "mixtral": lambda: MoEConfig(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, family="mixtral"),
-    "qwen2_moe": lambda: MoEConfig(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, family="qwen2_moe",
-                                   shared_expert_intermediate_size=64, qkv_bias=True),
-}  # fmt: skip
+    "mixtral": lambda: MoEConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        family="mixtral",
+    ),
+    "qwen2_moe": lambda: MoEConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        family="qwen2_moe",
+        shared_expert_intermediate_size=64,
+        qkv_bias=True,
+    ),
+}
 
 
 def learner_batch(vocab: int, lengths: list[int], n: int) -> dict[str, torch.Tensor]:
@@ -48,10 +68,12 @@ def learner_batch(vocab: int, lengths: list[int], n: int) -> dict[str, torch.Ten
     mask = attn.clone().float()
     mask[:, :8] = 0
     return {
-        "ids": torch.randint(1, vocab, (rows, n), generator=g) * attn, "attn": attn, "mask": mask,
+        "ids": torch.randint(1, vocab, (rows, n), generator=g) * attn,
+        "attn": attn,
+        "mask": mask,
         "behaviour": -torch.rand(rows, n, generator=g) * 4 * attn,
         "adv": torch.tensor([[1.0], [-0.5], [0.25]])[:rows],
-    }  # fmt: skip
+    }
 
 
 def one_step(cfg: MoEConfig, checkpointing: bool, precision: str = "fp32") -> tuple[float, dict[str, torch.Tensor]]:
@@ -63,8 +85,15 @@ def one_step(cfg: MoEConfig, checkpointing: bool, precision: str = "fp32") -> tu
     model.activation_checkpointing = checkpointing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = learner_batch(cfg.vocab_size, [64, 50, 33], 64)  # 64: a multiple of the MX block
-    out = policy_gradient_step(model, opt, batch, global_tokens=float(batch["mask"].sum()), loss=LossConfig(),
-                               temperature=1.0, max_grad_norm=1.0)  # fmt: skip
+    out = policy_gradient_step(
+        model,
+        opt,
+        batch,
+        global_tokens=float(batch["mask"].sum()),
+        loss=LossConfig(),
+        temperature=1.0,
+        max_grad_norm=1.0,
+    )
     return out["loss"], {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -122,7 +151,9 @@ def test_right_padding_needs_no_dense_mask(monkeypatch, shape):
         with monkeypatch.context() as m:
             m.setattr(moe_mod, "right_padded", lambda a: False)  # the dense path every batch used to take
             dense, _ = sequence_logprobs(model, ids, attn)
-        alone = [sequence_logprobs(model, ids[i : i + 1, :k], attn[i : i + 1, :k])[0][0] for i, k in enumerate([64, 50, 33])]
+        alone = [
+            sequence_logprobs(model, ids[i : i + 1, :k], attn[i : i + 1, :k])[0][0] for i, k in enumerate([64, 50, 33])
+        ]
         real = attn.bool()
         torch.testing.assert_close(lp[real], dense[real], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lp[real], torch.cat(alone), rtol=1e-5, atol=1e-5)
@@ -152,10 +183,24 @@ def test_memory_bench_runs_both_trees():
     import sys
 
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "learner.py"), "--memory", "--shapes", "2x32", "--repeats", "1",
-         "--steps", "2", "--before", str(ROOT)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "learner.py"),
+            "--memory",
+            "--shapes",
+            "2x32",
+            "--repeats",
+            "1",
+            "--steps",
+            "2",
+            "--before",
+            str(ROOT),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| rows x tokens | tokens | before peak MiB | before s/step | after peak MiB | after s/step |" in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| 2 x 32 |"))

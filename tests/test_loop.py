@@ -11,20 +11,24 @@ from collections import defaultdict
 
 import httpx
 import pytest
+from harness import InProcessPlatform, experiment, wait_for
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, PolicyVersion, Run, StepRecord, TaskGroup, TrajectoryRecord
 
-from harness import InProcessPlatform, experiment, wait_for
-
 
 @pytest.mark.timeout(240)
 async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg_url, run_dir):
     exporter = InMemorySpanExporter()
-    exp = experiment(run_dir, nats_server.url, pg_url, telemetry={"log_format": "text", "metrics_port": 0, "metrics_linger_s": 120},
-                     learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "queue_sample_s": 0.5})
+    exp = experiment(
+        run_dir,
+        nats_server.url,
+        pg_url,
+        telemetry={"log_format": "text", "metrics_port": 0, "metrics_linger_s": 120},
+        learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "queue_sample_s": 0.5},
+    )
     platform = InProcessPlatform(exp, exporter)
     run_id = platform.config("learner").run.id
     await platform.start_all(replicas={"rollout": 2})
@@ -52,7 +56,9 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
             groups = (await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id))).all()
             trajs = (await s.scalars(select(TrajectoryRecord).where(TrajectoryRecord.run_id == run_id))).all()
             versions = (await s.scalars(select(PolicyVersion).where(PolicyVersion.run_id == run_id))).all()
-            steps = (await s.scalars(select(StepRecord).where(StepRecord.run_id == run_id).order_by(StepRecord.step))).all()
+            steps = (
+                await s.scalars(select(StepRecord).where(StepRecord.run_id == run_id).order_by(StepRecord.step))
+            ).all()
 
         # --- every dispatched group ended exactly once: trained, or dropped with a reason
         assert groups, "no groups were dispatched"
@@ -84,7 +90,13 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
         for st in steps:
             m = st.metrics
             # grad_norm > 0 even when every advantage is 0: the load-balancing loss trains the router
-            assert m["lr"] > 0 and m["ratio_mean"] > 0 and 0 <= m["clip_frac"] <= 1 and m["aux_loss"] > 0 and m["grad_norm"] > 0, m
+            assert (
+                m["lr"] > 0
+                and m["ratio_mean"] > 0
+                and 0 <= m["clip_frac"] <= 1
+                and m["aux_loss"] > 0
+                and m["grad_norm"] > 0
+            ), m
 
         # --- one trace per trajectory, through rollout, env-pool, reward and the learner
         spans = exporter.get_finished_spans()
@@ -96,7 +108,13 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
         t0 = next(t for t in trajs if t.trained_version == 1)
         tid = int(t0.trace_id, 16)
         assert {"kiln-rollout", "kiln-env-pool", "kiln-reward", "kiln-learner"} <= services_by_trace[tid]
-        assert {"controller.dispatch", "rollout.trajectory", "rollout.generate", "reward.score", "learner.trained"} <= names_by_trace[tid]
+        assert {
+            "controller.dispatch",
+            "rollout.trajectory",
+            "rollout.generate",
+            "reward.score",
+            "learner.trained",
+        } <= names_by_trace[tid]
         # ...and it is this trajectory's own trace: the other samples of its group have theirs
         sibling_traces = {int(t.trace_id, 16) for t in trajs if t.group_id == t0.group_id}
         assert len(sibling_traces) == 2

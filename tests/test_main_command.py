@@ -50,7 +50,10 @@ def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     proc = subprocess.run(
         [*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={root}"],
-        capture_output=True, text=True, timeout=380, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=REPO,
     )
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -102,9 +105,20 @@ def test_main_command_runs_three_versions_end_to_end(finished_run):
 @pytest.mark.timeout(200)
 def test_ctrl_c_stops_everything(tmp_path):
     proc = subprocess.Popen(
-        [*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={tmp_path}",
-         "--set", "algorithm.steps=100"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        [
+            *KILN,
+            "run",
+            "--config",
+            str(REPO / "configs" / "smoke.toml"),
+            "--set",
+            f"run.root={tmp_path}",
+            "--set",
+            "algorithm.steps=100",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
     )
     seen = []
     deadline = time.monotonic() + 150
@@ -113,8 +127,10 @@ def test_ctrl_c_stops_everything(tmp_path):
         if "version 1/100" in line or time.monotonic() > deadline:
             break
     assert any("version 1/100" in line for line in seen), "".join(seen)
-    run_dir = _run_dir("".join(seen)) if any("results:" in s for s in seen) else Path(
-        re.search(r"results in (\S+)", "".join(seen)).group(1)
+    run_dir = (
+        _run_dir("".join(seen))
+        if any("results:" in s for s in seen)
+        else Path(re.search(r"results in (\S+)", "".join(seen)).group(1))
     )
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
@@ -129,10 +145,24 @@ def test_kiln_eval_records_held_out_pass_rates_of_the_finished_run(finished_run)
     assert code == 0, out
     run_dir = _run_dir(out)
     proc = subprocess.run(
-        [*KILN, "eval", str(run_dir), "--versions", "0,3", "--set", "eval.max_tasks=2", "--set", "eval.samples=2",
-         "--set", "eval.k=[1,2]"],
-        capture_output=True, text=True, timeout=280, cwd=REPO,
-    )  # fmt: skip
+        [
+            *KILN,
+            "eval",
+            str(run_dir),
+            "--versions",
+            "0,3",
+            "--set",
+            "eval.max_tasks=2",
+            "--set",
+            "eval.samples=2",
+            "--set",
+            "eval.k=[1,2]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     assert re.search(r"version 0: greedy pass \d+%, pass@1 \d+%, pass@2 \d+% \(2 heldout tasks", text), text
@@ -142,7 +172,9 @@ def test_kiln_eval_records_held_out_pass_rates_of_the_finished_run(finished_run)
     try:
         with psycopg.connect(pg.url) as conn:
             rows = conn.execute("SELECT version, tasks, samples, per_task FROM evaluations ORDER BY version").fetchall()
-            n_eval = conn.execute("SELECT count(*) FROM trajectories WHERE purpose = 'eval' AND trained_version IS NULL").fetchone()[0]
+            n_eval = conn.execute(
+                "SELECT count(*) FROM trajectories WHERE purpose = 'eval' AND trained_version IS NULL"
+            ).fetchone()[0]
     finally:
         pg.stop()
     assert [(v, t, s) for v, t, s, _ in rows] == [(0, 2, 2), (3, 2, 2)]
@@ -151,13 +183,26 @@ def test_kiln_eval_records_held_out_pass_rates_of_the_finished_run(finished_run)
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def _chromium(tmp_path, *args, timeout=60) -> str:
     profile = tempfile.mkdtemp(dir=tmp_path, prefix="chromium-")
-    r = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -168,7 +213,9 @@ def test_dashboard_of_the_finished_run_in_chromium(finished_run, tmp_path):
     code, out = finished_run
     assert code == 0, out
     run_dir = _run_dir(out)
-    dash = subprocess.Popen([*KILN, "dashboard", str(run_dir), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    dash = subprocess.Popen(
+        [*KILN, "dashboard", str(run_dir), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         line = ""
         for line in dash.stdout:
@@ -200,10 +247,14 @@ def test_dashboard_of_the_finished_run_in_chromium(finished_run, tmp_path):
         # Its trace, read from the run's span files: one tree rooted at the dispatch, through every service.
         tree = re.search(r'<ul id="trace">(.*)</ul>', dom, re.S).group(1)
         assert re.match(r'\s*<li data-span="controller.dispatch"', tree), tree[:300]
-        assert {"kiln-learner", "kiln-rollout", "kiln-env-pool", "kiln-reward"} <= set(re.findall(r'data-service="([^"]+)"', tree))
+        assert {"kiln-learner", "kiln-rollout", "kiln-env-pool", "kiln-reward"} <= set(
+            re.findall(r'data-service="([^"]+)"', tree)
+        )
 
         shot = tmp_path / "dashboard.png"
-        _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1300,1800", "--hide-scrollbars", f"{base}/runs/{run_id}")
+        _chromium(
+            tmp_path, f"--screenshot={shot}", "--window-size=1300,1800", "--hide-scrollbars", f"{base}/runs/{run_id}"
+        )
         assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         artifacts = REPO / "test-artifacts"
         artifacts.mkdir(exist_ok=True)

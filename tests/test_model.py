@@ -10,16 +10,24 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from kiln.rollout.engine import TorchEngine
 from kiln.shared.model import MoEConfig, MoEForCausalLM, load_checkpoint, save_checkpoint, sequence_logprobs
 from kiln.shared.model import experts as experts_mod
 from kiln.shared.model.checkpoint import to_hf_state_dict
 from kiln.shared.model.experts import GroupedExperts, default_gemm, gemm_backend, loop_gemm
 from kiln.shared.model.moe import SparseMoE
 
-from kiln.rollout.engine import TorchEngine
-
-CFG = MoEConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+CFG = MoEConfig(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+)
 
 
 def model(seed=0) -> MoEForCausalLM:
@@ -78,7 +86,7 @@ async def test_engine_logprobs_equal_learner_recompute(tmp_path, temperature):
     ids = torch.tensor([prompt + gen.token_ids])
     with torch.no_grad():
         lp, _ = sequence_logprobs(m.eval(), ids, torch.ones_like(ids), temperature)
-    torch.testing.assert_close(lp[0, len(prompt):], torch.tensor(gen.logprobs), rtol=0, atol=2e-5)
+    torch.testing.assert_close(lp[0, len(prompt) :], torch.tensor(gen.logprobs), rtol=0, atol=2e-5)
 
 
 async def test_engine_stops_at_stop_token(tmp_path):
@@ -103,6 +111,7 @@ def test_load_balancing_loss_is_one_when_uniform():
 
 
 # --- experts as a grouped GEMM -------------------------------------------------------
+
 
 def _gemm_case(k, n, counts, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
@@ -178,9 +187,18 @@ def _reference_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_shared_expert_moe_matches_a_hand_written_reference(norm_topk):
-    cfg = MoEConfig(vocab_size=10, hidden_size=16, num_attention_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                    moe_intermediate_size=8, family="qwen2_moe", shared_expert_intermediate_size=12,
-                    norm_topk_prob=norm_topk)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=10,
+        hidden_size=16,
+        num_attention_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        family="qwen2_moe",
+        shared_expert_intermediate_size=12,
+        norm_topk_prob=norm_topk,
+    )
     m = MoEForCausalLM(cfg).init_weights(0, std=0.3)
     moe = m.layers[0].mlp
     x = torch.randn(2, 5, 16)
@@ -192,8 +210,17 @@ def test_shared_expert_moe_matches_a_hand_written_reference(norm_topk):
 
 
 def test_training_step_reaches_every_parameter():
-    cfg = MoEConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=8,
-                    family="qwen2_moe", shared_expert_intermediate_size=8, qkv_bias=True)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_attention_heads=2,
+        head_dim=8,
+        num_experts=4,
+        moe_intermediate_size=8,
+        family="qwen2_moe",
+        shared_expert_intermediate_size=8,
+        qkv_bias=True,
+    )
     m = MoEForCausalLM(cfg).init_weights(0, std=0.2)
     ids = torch.randint(0, 32, (2, 12))
     lp, routers = sequence_logprobs(m, ids, torch.ones_like(ids))
@@ -212,8 +239,17 @@ def test_mixtral_family_has_no_qk_norm_and_renormalises():
 def test_activation_checkpointing_keeps_gradients_and_frees_activations():
     """Recomputing layers in the backward pass gives the same gradients (and load-balancing
     statistics) while the forward keeps a fraction of the activations alive."""
-    cfg = MoEConfig(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+    )
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
     attn = torch.ones_like(ids)
     attn[1, 30:] = 0

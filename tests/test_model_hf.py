@@ -18,8 +18,13 @@ from kiln.shared.model import MoEConfig, MoEForCausalLM, load_checkpoint, save_c
 from kiln.shared.model.checkpoint import from_hf_state_dict, read_weights  # noqa: E402
 
 ATOL = 1e-5
-FAMILY_OF = {"qwen3_moe": "qwen3_moe", "qwen3_moe_norm": "qwen3_moe", "mixtral": "mixtral",
-             "qwen2_moe": "qwen2_moe", "qwen2_moe_bias": "qwen2_moe"}  # fmt: skip
+FAMILY_OF = {
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_moe_norm": "qwen3_moe",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen2_moe_bias": "qwen2_moe",
+}
 
 
 def randomise(model):
@@ -31,17 +36,30 @@ def randomise(model):
 
 def hf_tiny(variant: str):
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, num_experts_per_tok=2)  # fmt: skip
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_experts_per_tok=2,
+    )
     if variant == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, head_dim=8, **common)
         return randomise(transformers.MixtralForCausalLM(cfg))
     if variant.startswith("qwen2_moe"):
-        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=48, num_experts=4, shared_expert_intermediate_size=40,
-                                          qkv_bias=variant == "qwen2_moe_bias", **common)  # fmt: skip
+        cfg = transformers.Qwen2MoeConfig(
+            moe_intermediate_size=48,
+            num_experts=4,
+            shared_expert_intermediate_size=40,
+            qkv_bias=variant == "qwen2_moe_bias",
+            **common,
+        )
         return randomise(transformers.Qwen2MoeForCausalLM(cfg))
-    cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=48, num_experts=4, head_dim=8,
-                                      norm_topk_prob=variant == "qwen3_moe_norm", **common)  # fmt: skip
+    cfg = transformers.Qwen3MoeConfig(
+        moe_intermediate_size=48, num_experts=4, head_dim=8, norm_topk_prob=variant == "qwen3_moe_norm", **common
+    )
     return randomise(transformers.Qwen3MoeForCausalLM(cfg))
 
 
@@ -75,9 +93,19 @@ def test_hf_checkpoint_loads_with_equal_logits(tmp_path, variant):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, family):
     extra = dict(shared_expert_intermediate_size=40, qkv_bias=True) if family == "qwen2_moe" else {}
-    cfg = MoEConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, family=family,
-                    **extra)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        family=family,
+        **extra,
+    )
     ours = MoEForCausalLM(cfg).init_weights(3, std=0.1).eval()
     save_checkpoint(ours, tmp_path)
     names = set(read_weights(tmp_path))
@@ -87,8 +115,12 @@ def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, family
     assert ("model.layers.0.mlp.shared_expert_gate.weight" in names) == (family == "qwen2_moe")
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family == "qwen3_moe")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(hf).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                                 "qwen2_moe": "Qwen2MoeForCausalLM"}[family]  # fmt: skip
+    assert (
+        type(hf).__name__
+        == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[
+            family
+        ]
+    )
     ids, mask = ids_and_mask()
     assert_same_logits(ours, hf, ids)
     assert_same_logits(ours, hf, ids, mask)
@@ -149,9 +181,17 @@ def test_configs_no_hf_model_could_load_are_refused():
 
 def tiny_llama(tmp_path, tied: bool):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=tied, rope_theta=100000.0)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        rope_theta=100000.0,
+    )
     dense = randomise(transformers.LlamaForCausalLM(cfg))
     dense.save_pretrained(tmp_path / "dense")
     return dense

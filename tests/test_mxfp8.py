@@ -17,8 +17,12 @@ from kiln.learner import mx
 ao = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor", reason="torchao is a learner dependency")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 
-MODES = {"rceil": ScaleCalculationMode.RCEIL, "floor": ScaleCalculationMode.FLOOR,
-         "ceil": ScaleCalculationMode.CEIL, "even": ScaleCalculationMode.EVEN}  # fmt: skip
+MODES = {
+    "rceil": ScaleCalculationMode.RCEIL,
+    "floor": ScaleCalculationMode.FLOOR,
+    "ceil": ScaleCalculationMode.CEIL,
+    "even": ScaleCalculationMode.EVEN,
+}
 
 
 def reference(x: torch.Tensor, mode: str):
@@ -69,7 +73,11 @@ def test_quantizer_matches_torchao_bit_for_bit(mode, dtype):
         got_e, got_s = mx.quantize(x, mode)
         assert got_e.dtype == torch.float8_e4m3fn and got_s.dtype == torch.uint8
         assert torch.equal(got_s, want_s), (mode, dtype, (got_s != want_s).nonzero()[:5])
-        assert torch.equal(got_e.view(torch.uint8), want_e), (mode, dtype, (got_e.view(torch.uint8) != want_e).nonzero()[:5])
+        assert torch.equal(got_e.view(torch.uint8), want_e), (
+            mode,
+            dtype,
+            (got_e.view(torch.uint8) != want_e).nonzero()[:5],
+        )
 
 
 def test_special_values_follow_the_spec():
@@ -106,9 +114,17 @@ def tiny_model(**kw):
     from kiln.shared.model import MoEConfig, MoEForCausalLM
 
     cfg = MoEConfig(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, **kw,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        **kw,
+    )
     return MoEForCausalLM(cfg).init_weights(0)
 
 
@@ -130,7 +146,9 @@ def test_training_path_quantizes_exactly_like_our_quantizer(monkeypatch, mode):
 
     def recording(data_hp, elem_dtype, block_size, scaling_mode=ScaleCalculationMode.FLOOR, *a, **kw):
         scale, data = original(data_hp, elem_dtype, block_size, scaling_mode, *a, **kw)
-        seen.append((data_hp.detach().clone(), scaling_mode, scale.view(torch.uint8).clone(), data.view(torch.uint8).clone()))
+        seen.append(
+            (data_hp.detach().clone(), scaling_mode, scale.view(torch.uint8).clone(), data.view(torch.uint8).clone())
+        )
         return scale, data
 
     model = tiny_model()
@@ -151,7 +169,9 @@ def test_training_path_quantizes_exactly_like_our_quantizer(monkeypatch, mode):
     assert {names[m] for _, m, _, _ in seen} == {mode}  # torchao honoured the configured mode everywhere
     for x, m, scale, data in seen:
         got_e, got_s = mx.quantize(x, names[m])
-        assert torch.equal(got_s.reshape(-1), scale.reshape(-1)) and torch.equal(got_e.view(torch.uint8).reshape(-1), data.reshape(-1))
+        assert torch.equal(got_s.reshape(-1), scale.reshape(-1)) and torch.equal(
+            got_e.view(torch.uint8).reshape(-1), data.reshape(-1)
+        )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> bool:
@@ -164,9 +184,8 @@ def test_mxfp8_grouped_gemm_matches_a_loop_on_our_quantizer():
     quantizer the way the OCP MXFP8 GEMMs do: forward along K, the input gradient along
     N, the weight gradient along the tokens of each (zero-padded) group. Equal to bf16
     output rounding (0.5%), while the high-precision loop is more than 1% away."""
-    from kiln.shared.model.experts import loop_gemm
-
     from kiln.learner.precision import mxfp8_grouped_gemm
+    from kiln.shared.model.experts import loop_gemm
 
     g = torch.Generator().manual_seed(4)
     counts = [5, 0, 37, 32, 14]
@@ -202,9 +221,8 @@ def test_mxfp8_grouped_gemm_matches_a_loop_on_our_quantizer():
 def test_pad_groups_is_transparent():
     """The FP8 rowwise grouped GEMM's padding (16-row groups; the GEMM itself needs CUDA):
     pad, run the loop GEMM, unpad equals the loop GEMM, forward and backward."""
-    from kiln.shared.model.experts import loop_gemm
-
     from kiln.learner.precision import pad_groups
+    from kiln.shared.model.experts import loop_gemm
 
     g = torch.Generator().manual_seed(5)
     offs = torch.tensor([3, 3, 20, 32, 33], dtype=torch.int32)
@@ -215,7 +233,9 @@ def test_pad_groups_is_transparent():
     y = loop_gemm(x_pad, w, offs_pad)[index]
     assert torch.equal(y, loop_gemm(x.detach(), w, offs))
     y.sum().backward()
-    want = torch.cat([torch.ones(c, 8) @ w[e].T for e, c in enumerate(torch.diff(offs, prepend=offs.new_zeros(1)).tolist())])
+    want = torch.cat(
+        [torch.ones(c, 8) @ w[e].T for e, c in enumerate(torch.diff(offs, prepend=offs.new_zeros(1)).tolist())]
+    )
     assert torch.allclose(x.grad, want)
 
 
@@ -248,7 +268,9 @@ def test_high_precision_modules_by_default():
     assert summary["embed_tokens"] == "float32"
     assert summary["lm_head"] == summary["layers.0.mlp.gate"] == "float32 (kept high precision)"
     assert summary["layers.1.self_attn.o_proj"] == summary["layers.1.mlp.experts"] == "mxfp8 rceil (emulated)"
-    assert type(model.lm_head.weight.data) is torch.Tensor and type(model.layers[0].mlp.gate.weight.data) is torch.Tensor
+    assert (
+        type(model.lm_head.weight.data) is torch.Tensor and type(model.layers[0].mlp.gate.weight.data) is torch.Tensor
+    )
     assert type(model.embed_tokens.weight.data) is torch.Tensor
     assert type(model.layers[0].self_attn.q_proj.weight.data) is not torch.Tensor  # torchao's MXFP8 weight wrapper
     # Configurable: keep the attention output projections too, convert the router.
@@ -318,23 +340,37 @@ def test_mxfp8_run_tracks_bf16():
 def test_learner_trains_and_stages_in_mxfp8(tmp_path):
     """The learner's own step and checkpoint staging under ``learner.precision = mxfp8``
     (sequences padded to the MX block), and the staged HF folder loads as a plain model."""
+    from kiln.learner.config import LearnerConfig
+    from kiln.learner.policy import Policy
     from kiln.shared.config import load_config
     from kiln.shared.contracts import Trajectory, TrajectoryStatus
     from kiln.shared.model import load_checkpoint
     from kiln.shared.tasks import load_suite
 
-    from kiln.learner.config import LearnerConfig
-    from kiln.learner.policy import Policy
-
-    overrides = ["learner.precision=mxfp8", "model.hidden_size=32", "model.num_hidden_layers=1", "learner.tokenizer_corpus_repeats=1"]
+    overrides = [
+        "learner.precision=mxfp8",
+        "model.hidden_size=32",
+        "model.num_hidden_layers=1",
+        "learner.tokenizer_corpus_repeats=1",
+    ]
     policy = Policy(load_config(LearnerConfig, None, overrides), load_suite("builtin"))
     assert policy.precision["layers.0.mlp.experts"] == "mxfp8 rceil (emulated)"
     t = Trajectory(
-        run_id="r", trajectory_id="t", group_id="g", task_id="t", sample_index=0, dispatch_version=0,
-        status=TrajectoryStatus.FINISHED, token_ids=[7] * 45, logprobs=[0.0] * 20 + [-3.0] * 25,
-        token_versions=[-1] * 20 + [0] * 25, loss_mask=[0] * 20 + [1] * 25,
-    )  # fmt: skip
+        run_id="r",
+        trajectory_id="t",
+        group_id="g",
+        task_id="t",
+        sample_index=0,
+        dispatch_version=0,
+        status=TrajectoryStatus.FINISHED,
+        token_ids=[7] * 45,
+        logprobs=[0.0] * 20 + [-3.0] * 25,
+        token_versions=[-1] * 20 + [0] * 25,
+        loss_mask=[0] * 20 + [1] * 25,
+    )
     stats = policy.train_step([(t, 1.0), (t.model_copy(update={"sample_index": 1}), -1.0)], version=0)
     assert stats.tokens == 50
     back = load_checkpoint(policy.stage(tmp_path / "v1"))
-    assert torch.equal(back.layers[0].self_attn.q_proj.weight, policy.model.layers[0].self_attn.q_proj.weight.detach()._data)
+    assert torch.equal(
+        back.layers[0].self_attn.q_proj.weight, policy.model.layers[0].self_attn.q_proj.weight.detach()._data
+    )

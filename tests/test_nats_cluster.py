@@ -66,7 +66,9 @@ async def test_streams_are_replicated_and_work_survives_the_loss_of_a_leader(clu
         async def handler(req: c.RolloutRequest, delivery) -> None:
             seen.append(req.group_id)
 
-        consumer = asyncio.create_task(sub.consume(c.ROLLOUT_WORKERS, c.RolloutRequest, handler, stop=stop, concurrency=8))
+        consumer = asyncio.create_task(
+            sub.consume(c.ROLLOUT_WORKERS, c.RolloutRequest, handler, stop=stop, concurrency=8)
+        )
         published = 0
 
         async def publish_upto(n: int) -> None:

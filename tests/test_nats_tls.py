@@ -33,33 +33,60 @@ from kiln.shared.embedded import NatsServer
 
 
 def _pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_ca_and_server_cert(folder: Path) -> tuple[Path, Path, Path]:
     """(ca.crt, server.crt, server.key): a CA valid for a day and a server certificate it
     signed for 127.0.0.1 and localhost."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kiln test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-          .not_valid_after(now + dt.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nats")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nats")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = folder / "ca.crt", folder / "server.crt", folder / "server.key"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -82,7 +109,9 @@ def tls_server(tmp_path):
 async def test_a_bus_connects_over_tls_with_the_ca_and_a_password_file(tls_server):
     server, ca, password_file = tls_server
     for url in (server.url, server.url.replace("nats://", "tls://")):
-        bus = await Bus.connect(NatsSettings(url=url, user="rollout", password_file=str(password_file), tls_ca_file=str(ca)), "rollout")
+        bus = await Bus.connect(
+            NatsSettings(url=url, user="rollout", password_file=str(password_file), tls_ca_file=str(ca)), "rollout"
+        )
         try:
             assert bus.nc._transport._io_writer.get_extra_info("ssl_object") is not None, "not encrypted"
             await bus.ensure_topology()
@@ -95,8 +124,15 @@ async def test_a_bus_connects_over_tls_with_the_ca_and_a_password_file(tls_serve
 async def test_without_the_ca_the_connection_fails_and_says_why(tls_server):
     server, ca, password_file = tls_server
     with pytest.raises(ConnectionError, match="TLS failed .*certificate verify failed.*tls_ca_file"):
-        await Bus.connect(NatsSettings(url=server.url.replace("nats://", "tls://"), user="rollout",
-                                       password_file=str(password_file), connect_timeout_s=1), "rollout")  # fmt: skip
+        await Bus.connect(
+            NatsSettings(
+                url=server.url.replace("nats://", "tls://"),
+                user="rollout",
+                password_file=str(password_file),
+                connect_timeout_s=1,
+            ),
+            "rollout",
+        )
 
 
 async def test_a_tls_client_refuses_a_server_without_tls(tmp_path, tls_server):
@@ -111,7 +147,9 @@ async def test_a_tls_client_refuses_a_server_without_tls(tmp_path, tls_server):
 
 async def test_an_unreadable_password_file_fails_at_once(tmp_path):
     with pytest.raises(ConnectionError, match="cannot read nats.password_file"):
-        await Bus.connect(NatsSettings(url="nats://127.0.0.1:1", user="rollout", password_file=str(tmp_path / "missing")), "t")
+        await Bus.connect(
+            NatsSettings(url="nats://127.0.0.1:1", user="rollout", password_file=str(tmp_path / "missing")), "t"
+        )
 
 
 async def test_kiln_bus_credentials_serve_the_compose_nats_config_over_tls(tmp_path):
@@ -124,8 +162,12 @@ async def test_kiln_bus_credentials_serve_the_compose_nats_config_over_tls(tmp_p
 
     root = Path(__file__).resolve().parents[1]
     secrets = tmp_path / "run" / "secrets"
-    r = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     conf = (secrets / "nats-auth.conf").read_text()
     assert conf.startswith("authorization")
@@ -139,22 +181,46 @@ async def test_kiln_bus_credentials_serve_the_compose_nats_config_over_tls(tmp_p
 
     etc = tmp_path / "etc" / "nats"
     etc.mkdir(parents=True)
-    (etc / "nats.conf").write_text((root / "deploy" / "nats" / "nats.conf").read_text().replace('"/run/secrets/', f'"{secrets}/'))
+    (etc / "nats.conf").write_text(
+        (root / "deploy" / "nats" / "nats.conf").read_text().replace('"/run/secrets/', f'"{secrets}/')
+    )
     port = free_port()
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(etc / "nats.conf"), "-a", "127.0.0.1", "-p", str(port),
-                             "-m", str(free_port()), "-js", "-sd", str(tmp_path / "data")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            nats_server_binary(),
+            "-c",
+            str(etc / "nats.conf"),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-m",
+            str(free_port()),
+            "-js",
+            "-sd",
+            str(tmp_path / "data"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_port(port, 10, proc, "nats-server")
 
         def settings(password_of: str) -> NatsSettings:
-            return NatsSettings(url=f"tls://localhost:{port}", user="learner", password_file=str(secrets / f"nats-{password_of}.password"),
-                                tls_ca_file=str(secrets / "nats-ca.crt"), connect_timeout_s=2)  # fmt: skip
+            return NatsSettings(
+                url=f"tls://localhost:{port}",
+                user="learner",
+                password_file=str(secrets / f"nats-{password_of}.password"),
+                tls_ca_file=str(secrets / "nats-ca.crt"),
+                connect_timeout_s=2,
+            )
 
         bus = await Bus.connect(settings("learner"), "learner")
         try:
             await bus.ensure_topology()
-            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id="r", version=1, step=1, parent_version=0, path="/x"))
+            await bus.publish(
+                c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id="r", version=1, step=1, parent_version=0, path="/x")
+            )
         finally:
             await bus.close()
         with pytest.raises(ConnectionError, match="refused the credential"):

@@ -13,7 +13,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_shared_wheel_has_suite_and_migrations(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO / "shared")],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO / "shared"),
+        ],
         check=True,
     )
     (wheel,) = tmp_path.glob("kiln_shared-*.whl")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,9 +42,16 @@ def test_parallel_step_equals_single_process(tmp_path, reference, dp, ep):
     out = tmp_path / "state.pt"
     port = 29500 + (os.getpid() * 7 + dp * 10 + ep) % 2000
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * ep}", f"--master-port={port}",
-        str(Path(dist_step.__file__)), str(dp), str(ep), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={dp * ep}",
+        f"--master-port={port}",
+        str(Path(dist_step.__file__)),
+        str(dp),
+        str(ep),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -61,8 +68,17 @@ def test_parallel_step_equals_single_process(tmp_path, reference, dp, ep):
 
 def torchrun(tmp_path, nproc: int, *args: str) -> dict:
     out = tmp_path / "state.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-           str(Path(dist_step.__file__)), *args[:2], str(out), *args[2:]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        str(Path(dist_step.__file__)),
+        *args[:2],
+        str(out),
+        *args[2:],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -118,10 +134,13 @@ def test_ray_launcher_runs_the_same_step(tmp_path, reference, monkeypatch):
     tests_dir = str(Path(__file__).parent)
     temp = tempfile.mkdtemp(prefix="kr-")  # short: Ray's unix sockets live under it
     ray.init(
-        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
         _temp_dir=temp,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}},
-    )  # fmt: skip
+    )
     try:
         out = tmp_path / "state.pt"
         losses = ray_launch(dist_step.run, 2, args=(1, 2, str(out)), env={"OMP_NUM_THREADS": "1"})

@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import InProcessPlatform, experiment, reward_platform, wait_for
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, TrajectoryRecord
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import load_suite
-
-from harness import InProcessPlatform, experiment, reward_platform, wait_for
 
 BASE = load_suite("builtin").get("fix-calc")
 
@@ -32,7 +31,9 @@ def write_suite(path, timeout_s: float = 30.0):
     return str(path)
 
 
-def trajectory(run_id: str, sandbox: c.SandboxRef | None, tid: str = "g1-s0", status=c.TrajectoryStatus.FINISHED, why=None):
+def trajectory(
+    run_id: str, sandbox: c.SandboxRef | None, tid: str = "g1-s0", status=c.TrajectoryStatus.FINISHED, why=None
+):
     return c.Trajectory(
         run_id=run_id,
         trajectory_id=tid,
@@ -58,7 +59,7 @@ async def scored_messages(bus, n: int, timeout: float = 30.0) -> list[c.ScoredTr
     while len(out) < n and time.monotonic() < end:
         try:
             msgs = await sub.fetch(n - len(out), timeout=1)
-        except asyncio.TimeoutError:  # nats-py raises its own subclass, or the plain one
+        except TimeoutError:  # nats-py raises its own subclass, or the plain one
             continue
         for m in msgs:
             out.append(c.ScoredTrajectory.model_validate_json(await bus._body(m)))  # claim-checked when large
@@ -83,10 +84,12 @@ async def add_run(db_url: str, run_id: str) -> None:
 @pytest.fixture
 async def platform(nats_server, pg_url, run_dir, tmp_path):
     exp = experiment(
-        run_dir, nats_server.url, pg_url,
+        run_dir,
+        nats_server.url,
+        pg_url,
         tasks={"suite": write_suite(tmp_path / "suite.jsonl", timeout_s=2.0)},
         reward={"shaping": {"malformed_tool_calls": -0.25}},
-    )  # fmt: skip
+    )
     p = InProcessPlatform(exp)
     await add_run(pg_url, p.config("reward").run.id)
     yield p
@@ -103,12 +106,25 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
     pool = EnvPoolClient(bus)
 
     fixed = await pool.create(BASE.id)  # the agent fixed the bug
-    await pool.tools(fixed, [c.ToolCall(id="1", name="edit_file", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})])
+    await pool.tools(
+        fixed, [c.ToolCall(id="1", name="edit_file", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})]
+    )
     broken = await pool.create(BASE.id)  # untouched: the bug is still there
     cheat = await pool.create(BASE.id)  # "fixed" the tests instead of the code
-    await pool.tools(cheat, [c.ToolCall(id="1", name="write_file", arguments={"path": "test_calc.py", "content": "print('ok')"})])
+    await pool.tools(
+        cheat, [c.ToolCall(id="1", name="write_file", arguments={"path": "test_calc.py", "content": "print('ok')"})]
+    )
     hang = await pool.create(BASE.id)  # the agent's code never returns
-    await pool.tools(hang, [c.ToolCall(id="1", name="write_file", arguments={"path": "calc.py", "content": "def add(a, b):\n    while True: pass\n"})])
+    await pool.tools(
+        hang,
+        [
+            c.ToolCall(
+                id="1",
+                name="write_file",
+                arguments={"path": "calc.py", "content": "def add(a, b):\n    while True: pass\n"},
+            )
+        ],
+    )
     gone = c.SandboxRef(node_id=fixed.node_id, sandbox_id="sb-gone")
 
     cases = {
@@ -117,7 +133,9 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
         "cheat": trajectory(run_id, cheat, tid="g1-cheat"),
         "hang": trajectory(run_id, hang, tid="g1-hang"),
         "lost": trajectory(run_id, gone, tid="g1-lost"),  # sandbox gone, no diff: nothing to score
-        "rebuilt": trajectory(run_id, gone, tid="g1-rebuilt").model_copy(update={"final_diff": FIX, "malformed_tool_calls": 2}),
+        "rebuilt": trajectory(run_id, gone, tid="g1-rebuilt").model_copy(
+            update={"final_diff": FIX, "malformed_tool_calls": 2}
+        ),
         "infra": trajectory(run_id, None, "g1-infra", c.TrajectoryStatus.INFRA_ERROR, "sandbox create failed"),
     }
     for name, t in cases.items():
@@ -144,6 +162,7 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
     await bus.publish(c.TRAJECTORY_FINISHED, cases["fixed"], msg_id="g1-fixed-again")
     db = Database(pg_url)
     try:
+
         async def rows():
             async with db.session() as s:
                 return (await s.scalars(select(TrajectoryRecord))).all()
@@ -152,7 +171,9 @@ async def test_pass_fail_hang_infra_and_duplicates(platform, bus, pg_url):
         recs = {r.trajectory_id: r for r in await rows()}
         assert len(recs) == len(cases) and recs["g1-fixed"].reward == 1.0 and recs["g1-lost"].infra_error
         assert recs["g1-rebuilt"].reward_terms == {"tests": 1.0, "malformed_tool_calls": -0.5}
-        assert recs["g1-cheat"].touched_protected and recs["g1-cheat"].integrity["protected"] == {"test_calc.py": "test file test_calc.py"}
+        assert recs["g1-cheat"].touched_protected and recs["g1-cheat"].integrity["protected"] == {
+            "test_calc.py": "test file test_calc.py"
+        }
         assert recs["g1-hang"].failure == "timeout" and recs["g1-broken"].report["statuses"] == "FP"
         assert await scored_messages(bus, 1, timeout=2) == [], "the redelivery reached the learner twice"
         # the whole log of every scored run is kept, the record points at it
@@ -170,25 +191,31 @@ def custom_reward(trajectory, results) -> float:
 
 @pytest.mark.parametrize("function,expected", [("fraction", 0.5), ("test_reward:custom_reward", 0.75)])
 async def test_partial_credit_and_custom_functions(nats_server, bus, pg_url, run_dir, tmp_path, function, expected):
-    task = BASE.model_copy(update={
-        "id": "two-bugs",
-        "files": {
-            "calc.py": "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a + b\n",
-            "test_calc.py": (
-                "import unittest\n\nfrom calc import add, mul\n\n\nclass TestCalc(unittest.TestCase):\n"
-                "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
-                "    def test_mul(self):\n        self.assertEqual(mul(2, 3), 6)\n"
-            ),
-        },
-        "test_files": {},
-        "fail_to_pass": ["test_calc.TestCalc.test_add", "test_calc.TestCalc.test_mul"],
-        "pass_to_pass": [],
-    })  # fmt: skip
-    p, run_id = await reward_on(nats_server, pg_url, run_dir, [task], tmp_path / "suite.jsonl", reward={"function": function})
+    task = BASE.model_copy(
+        update={
+            "id": "two-bugs",
+            "files": {
+                "calc.py": "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a + b\n",
+                "test_calc.py": (
+                    "import unittest\n\nfrom calc import add, mul\n\n\nclass TestCalc(unittest.TestCase):\n"
+                    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
+                    "    def test_mul(self):\n        self.assertEqual(mul(2, 3), 6)\n"
+                ),
+            },
+            "test_files": {},
+            "fail_to_pass": ["test_calc.TestCalc.test_add", "test_calc.TestCalc.test_mul"],
+            "pass_to_pass": [],
+        }
+    )
+    p, run_id = await reward_on(
+        nats_server, pg_url, run_dir, [task], tmp_path / "suite.jsonl", reward={"function": function}
+    )
     try:
         pool = EnvPoolClient(bus)
         ref = await pool.create("two-bugs")  # fix add only
-        await pool.tools(ref, [c.ToolCall(id="1", name="edit_file", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})])
+        await pool.tools(
+            ref, [c.ToolCall(id="1", name="edit_file", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})]
+        )
         t = trajectory(run_id, ref, tid="g2-s0").model_copy(update={"task_id": "two-bugs"})
         await bus.publish(c.TRAJECTORY_FINISHED, t, msg_id=t.trajectory_id)
         (scored,) = await scored_messages(bus, 1)
@@ -210,9 +237,12 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
     gated = BASE.model_copy(update={"files": {**BASE.files, "calc.py": gate + BASE.files["calc.py"]}})
     (tmp_path / "gated.jsonl").write_text(json.dumps(gated.model_dump()) + "\n")
     exp = experiment(
-        run_dir, nats_server.url, pg_url, tasks={"suite": str(tmp_path / "gated.jsonl")},
+        run_dir,
+        nats_server.url,
+        pg_url,
+        tasks={"suite": str(tmp_path / "gated.jsonl")},
         nats={"ack_wait_s": {"reward-workers": 2.0}},
-    )  # fmt: skip
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("reward").run.id
     await add_run(pg_url, run_id)
@@ -236,6 +266,7 @@ async def test_killed_reward_process_work_is_redelivered(nats_server, bus, pg_ur
 
         first = reward_process("reward-a")
         try:
+
             async def taken():
                 info = await bus.consumer_info(c.REWARD_WORKERS)
                 return info.num_ack_pending == 1
@@ -278,14 +309,19 @@ async def test_infra_errors_are_kiln_s_own_failures_only(nats_server, bus, pg_ur
     strict = BASE.model_copy(update={"id": "strict", "protected_touch": "fail"})
     p, run_id = await reward_on(nats_server, pg_url, run_dir, [broken, strict], tmp_path / "s.jsonl")
     try:
-        fix_and_touch = FIX.model_copy(update={"changed": {**FIX.changed, "test_calc.py": BASE.test_files["test_calc.py"] + "# x\n"}})
+        fix_and_touch = FIX.model_copy(
+            update={"changed": {**FIX.changed, "test_calc.py": BASE.test_files["test_calc.py"] + "# x\n"}}
+        )
         cases = [
             trajectory(run_id, None, tid="g3-broken").model_copy(update={"task_id": "no-python", "final_diff": FIX}),
-            trajectory(run_id, None, tid="g3-strict").model_copy(update={"task_id": "strict", "final_diff": fix_and_touch}),
+            trajectory(run_id, None, tid="g3-strict").model_copy(
+                update={"task_id": "strict", "final_diff": fix_and_touch}
+            ),
             trajectory(run_id, None, tid="g3-lenient").model_copy(update={"task_id": "strict", "final_diff": FIX}),
             # an external harness that hung: 0, whatever its workspace holds
-            trajectory(run_id, None, tid="g3-hung").model_copy(update={"task_id": "strict", "final_diff": FIX,
-                                                                        "finish_reason": "timeout", "harness_log": "stuck"}),
+            trajectory(run_id, None, tid="g3-hung").model_copy(
+                update={"task_id": "strict", "final_diff": FIX, "finish_reason": "timeout", "harness_log": "stuck"}
+            ),
         ]
         for t in cases:
             await bus.publish(c.TRAJECTORY_FINISHED, t, msg_id=t.trajectory_id)
@@ -298,7 +334,12 @@ async def test_infra_errors_are_kiln_s_own_failures_only(nats_server, bus, pg_ur
     assert s.integrity.protected == {"test_calc.py": "test file test_calc.py"} and s.infra_error is None
     assert got["g3-lenient"].reward == 1.0 and got["g3-lenient"].passed
     hung = got["g3-hung"]
-    assert hung.reward == 0.0 and hung.failure == c.Failure.HARNESS and "stuck" in hung.failure_detail and hung.infra_error is None
+    assert (
+        hung.reward == 0.0
+        and hung.failure == c.Failure.HARNESS
+        and "stuck" in hung.failure_detail
+        and hung.infra_error is None
+    )
 
 
 async def test_reward_refuses_a_suite_it_cannot_score(nats_server, bus, pg_url, run_dir, tmp_path):
@@ -319,9 +360,14 @@ async def test_records_store_any_text_nul_surrogates_and_deep_json(pg_url):
     from kiln.shared.db import Base
     from kiln.shared.db.types import MAX_JSON_DEPTH, NUL_MARK, TOO_DEEP, SafeJSON, SafeString, SafeText
 
-    plain = [f"{t.name}.{col.name}" for t in Base.metadata.tables.values() for col in t.columns
-             if not isinstance(col.type, (SafeString, SafeText, SafeJSON)) and col.type.python_type is str
-             or type(col.type).__name__ == "JSON"]  # fmt: skip
+    plain = [
+        f"{t.name}.{col.name}"
+        for t in Base.metadata.tables.values()
+        for col in t.columns
+        if not isinstance(col.type, (SafeString, SafeText, SafeJSON))
+        and col.type.python_type is str
+        or type(col.type).__name__ == "JSON"
+    ]
     assert plain == [], f"string and JSON columns must clean what they store: {plain}"
 
     dirty = "a\0b \udcff c\x00"
@@ -333,12 +379,23 @@ async def test_records_store_any_text_nul_surrogates_and_deep_json(pg_url):
         async with db.session() as s:
             s.add(Run(id="r-nul", name="t", detail=dirty))
         async with db.session() as s:
-            s.add(TrajectoryRecord(
-                trajectory_id="t-nul", run_id="r-nul", group_id="g", task_id="fix-calc", sample_index=0,
-                dispatch_version=0, test_output=dirty, failure="tests_failed", failure_detail=dirty,
-                integrity={"protected": {dirty: dirty}}, report={"errors": [[dirty, dirty]], "deep": deep},
-                messages=[{"role": "tool", "content": dirty}], worker_id=dirty,
-            ))  # fmt: skip
+            s.add(
+                TrajectoryRecord(
+                    trajectory_id="t-nul",
+                    run_id="r-nul",
+                    group_id="g",
+                    task_id="fix-calc",
+                    sample_index=0,
+                    dispatch_version=0,
+                    test_output=dirty,
+                    failure="tests_failed",
+                    failure_detail=dirty,
+                    integrity={"protected": {dirty: dirty}},
+                    report={"errors": [[dirty, dirty]], "deep": deep},
+                    messages=[{"role": "tool", "content": dirty}],
+                    worker_id=dirty,
+                )
+            )
         async with db.session() as s:
             rec = await s.get(TrajectoryRecord, "t-nul")
             run = await s.get(Run, "r-nul")

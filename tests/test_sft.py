@@ -12,19 +12,17 @@ import pytest
 import torch
 from opentelemetry import trace
 
+from kiln.learner.policy import tokenizer_corpus
+from kiln.learner.sft import demonstration, encode, expert_edit, prose_fix_demonstration, warm_start, wrong_target_edit
+from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.config import RolloutSettings
+from kiln.rollout.engine import Generation, InferenceEngine, TorchEngine
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.model import MoEConfig, MoEForCausalLM
 from kiln.shared.model.tokenizer import special_id, train_tokenizer
 from kiln.shared.tasks import load_suite
 from kiln.shared.tasks.report import parse_test_report
-
-from kiln.learner.policy import tokenizer_corpus
-from kiln.learner.sft import demonstration, encode, expert_edit, prose_fix_demonstration, warm_start, wrong_target_edit
-from kiln.rollout.agent import EpisodeSpec, run_episode
-from kiln.rollout.config import RolloutSettings
-from kiln.rollout.engine import Generation, InferenceEngine, TorchEngine
-
 
 SUITE = load_suite("builtin")
 TOK = train_tokenizer(tokenizer_corpus(SUITE, 1), 1024)
@@ -77,9 +75,13 @@ async def test_demonstration_is_what_the_agent_loop_builds(envpool, tools):
     task = SUITE.get("fix-calc")
     turns = demonstration(task)
     ids, mask = encode(task, turns, TOK, tools)
-    req = c.RolloutRequest(run_id="r", group_id="g", task_id=task.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60)
+    req = c.RolloutRequest(
+        run_id="r", group_id="g", task_id=task.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60
+    )
     spec = EpisodeSpec(request=req, sample_index=0, task=task, worker_id="w", seed=0, temperature=1.0, tools=tools)
-    traj = await run_episode(spec, Replay([t for t, _ in turns]), TOK, envpool, RolloutSettings(max_turns=4), trace.get_tracer("t"))
+    traj = await run_episode(
+        spec, Replay([t for t, _ in turns]), TOK, envpool, RolloutSettings(max_turns=4), trace.get_tracer("t")
+    )
     assert traj.status == c.TrajectoryStatus.FINISHED and traj.finish_reason == "no_tool_call"
     # The real tools answered what the demonstration says they answer...
     assert [m.content for m in traj.messages if m.role == "tool"] == [obs for _, obs in turns if obs]
@@ -108,9 +110,13 @@ async def test_the_wrong_target_demonstration_fails_the_tasks_tests(constants_en
     other constant's, which it changed, fail)."""
     tools = ("read_file", "edit_file")
     turns = demonstration(SECOND, wrong_target_edit(SECOND))
-    req = c.RolloutRequest(run_id="r", group_id="g", task_id=SECOND.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60)
+    req = c.RolloutRequest(
+        run_id="r", group_id="g", task_id=SECOND.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60
+    )
     spec = EpisodeSpec(request=req, sample_index=0, task=SECOND, worker_id="w", seed=0, temperature=1.0, tools=tools)
-    traj = await run_episode(spec, Replay([t for t, _ in turns]), TOK, constants_envpool, RolloutSettings(max_turns=4), trace.get_tracer("t"))
+    traj = await run_episode(
+        spec, Replay([t for t, _ in turns]), TOK, constants_envpool, RolloutSettings(max_turns=4), trace.get_tracer("t")
+    )
     assert traj.status == c.TrajectoryStatus.FINISHED, (traj.status, traj.finish_reason, traj.messages)
     assert [m.content for m in traj.messages if m.role == "tool"] == [obs for _, obs in turns if obs]
     assert (traj.token_ids, traj.loss_mask) == encode(SECOND, turns, TOK, tools)
@@ -126,10 +132,17 @@ async def test_the_prose_fix_demonstration_fails_the_tasks_tests(constants_envpo
     turns = prose_fix_demonstration(SECOND)
     _, old, new = expert_edit(SECOND)
     assert turns[0] == demonstration(SECOND)[0] and old.strip() in turns[-1][0] and new.strip() in turns[-1][0]
-    req = c.RolloutRequest(run_id="r", group_id="g", task_id=SECOND.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60)
+    req = c.RolloutRequest(
+        run_id="r", group_id="g", task_id=SECOND.id, n_samples=1, dispatch_version=0, deadline=time.time() + 60
+    )
     spec = EpisodeSpec(request=req, sample_index=0, task=SECOND, worker_id="w", seed=0, temperature=1.0, tools=tools)
-    traj = await run_episode(spec, Replay([t for t, _ in turns]), TOK, constants_envpool, RolloutSettings(max_turns=4), trace.get_tracer("t"))
-    assert traj.status == c.TrajectoryStatus.FINISHED and traj.finish_reason == "no_tool_call", (traj.status, traj.finish_reason)
+    traj = await run_episode(
+        spec, Replay([t for t, _ in turns]), TOK, constants_envpool, RolloutSettings(max_turns=4), trace.get_tracer("t")
+    )
+    assert traj.status == c.TrajectoryStatus.FINISHED and traj.finish_reason == "no_tool_call", (
+        traj.status,
+        traj.finish_reason,
+    )
     assert (traj.token_ids, traj.loss_mask) == encode(SECOND, turns, TOK, tools)
     r = await constants_envpool.exec(traj.sandbox, SECOND.test_command, 30)
     report = parse_test_report(r.stdout + r.stderr)
@@ -137,8 +150,19 @@ async def test_the_prose_fix_demonstration_fails_the_tasks_tests(constants_envpo
 
 
 def test_warm_start_refuses_a_tool_set_without_the_demonstrated_tools():
-    model = MoEForCausalLM(MoEConfig(vocab_size=TOK.get_vocab_size(), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8))  # fmt: skip
+    model = MoEForCausalLM(
+        MoEConfig(
+            vocab_size=TOK.get_vocab_size(),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=8,
+        )
+    )
     with pytest.raises(ValueError, match="does not offer edit_file"):
         warm_start(model, TOK, SUITE.split("train"), steps=1, lr=1e-3, batch=1, seed=0, tools=["read_file", "grep"])
 
@@ -147,9 +171,18 @@ def test_warm_start_refuses_a_tool_set_without_the_demonstrated_tools():
 @pytest.mark.timeout(300)
 def test_warm_start_teaches_a_fresh_policy_the_tool_format():
     torch.manual_seed(0)
-    cfg = MoEConfig(vocab_size=TOK.get_vocab_size(), eos_token_id=special_id(TOK, chat.EOS), hidden_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                    moe_intermediate_size=128)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=TOK.get_vocab_size(),
+        eos_token_id=special_id(TOK, chat.EOS),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+    )
     model = MoEForCausalLM(cfg).init_weights(0)
     train = SUITE.split("train")
     losses = warm_start(model, TOK, train, steps=120, lr=3e-3, batch=4, seed=0)
@@ -164,14 +197,25 @@ def test_warm_start_teaches_a_fresh_policy_the_tool_format():
     # The format, not yet which file: copying the module's name from the prompt is what
     # longer imitation and RL have to add (measured: 120 steps name a module of another task).
     modules = {expert_edit(t)[0] for t in SUITE.tasks}
-    assert calls and calls[0].name == "read_file" and calls[0].arguments.get("path") in modules, TOK.decode(gen.token_ids)
+    assert calls and calls[0].name == "read_file" and calls[0].arguments.get("path") in modules, TOK.decode(
+        gen.token_ids
+    )
 
 
 def small_policy() -> MoEForCausalLM:
     torch.manual_seed(0)
-    cfg = MoEConfig(vocab_size=TOK.get_vocab_size(), eos_token_id=special_id(TOK, chat.EOS), hidden_size=32, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
-                    moe_intermediate_size=32)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=TOK.get_vocab_size(),
+        eos_token_id=special_id(TOK, chat.EOS),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+    )
     return MoEForCausalLM(cfg).init_weights(0)
 
 
@@ -201,7 +245,9 @@ def test_warm_start_imitates_the_imperfect_demonstrator_at_its_rate():
     first assignment is the lazy one, so the policy learns to edit the first assignment."""
     model = small_policy()
     tools = ("read_file", "edit_file")
-    losses = warm_start(model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, wrong_target_rate=1.0)
+    losses = warm_start(
+        model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, wrong_target_rate=1.0
+    )
     assert len(losses) < 600
     wrong = demonstration(SECOND, wrong_target_edit(SECOND))
     assert greedy_turn(model, SECOND, wrong[:1], tools) == wrong[1][0]
@@ -215,7 +261,9 @@ def test_warm_start_tells_at_its_rate_and_its_stop_skips_that_choice():
     counted; the policy then writes one of the two answers, token for token."""
     model = small_policy()
     tools = ("read_file", "edit_file")
-    losses = warm_start(model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, prose_fix_rate=0.5)
+    losses = warm_start(
+        model, TOK, [SECOND], steps=600, lr=1e-2, batch=2, seed=0, tools=tools, stop_match=1.0, prose_fix_rate=0.5
+    )
     assert len(losses) < 600
     told, done = prose_fix_demonstration(SECOND), demonstration(SECOND)
     assert greedy_turn(model, SECOND, told[:1], tools) in (told[1][0], done[1][0])

@@ -21,11 +21,11 @@ import textwrap
 import uuid
 from pathlib import Path
 
+from harness import experiment, wait_for
+
 from kiln.shared.bus import RemoteError
 from kiln.shared.config import render_toml
 from kiln.shared.envpool_client import EnvPoolClient
-
-from harness import experiment, wait_for
 
 EXIT_BOUND_S = 120.0
 """Generous: a clean stop takes a few seconds here; a lost signal never ends."""
@@ -74,7 +74,8 @@ def test_sigterm_is_not_lost_when_the_self_pipe_is_full(nats_server, tmp_path):
     exp = tmp_path / "exp.toml"
     exp.write_text(render_toml({"nats": {"url": nats_server.url}, "telemetry": {"log_format": "text"}}))
     script = tmp_path / "busy_service.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import asyncio, os, signal, sys, threading
         from kiln.shared.config import ServiceConfig, load_config
         from kiln.shared.service import run_service
@@ -96,9 +97,14 @@ def test_sigterm_is_not_lost_when_the_self_pipe_is_full(nats_server, tmp_path):
             print("stopped by SIGTERM", flush=True)
 
         asyncio.run(run_service("busy", load_config(ServiceConfig, {str(exp)!r}), body))
-    """))
+    """)
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=EXIT_BOUND_S)
-    assert proc.returncode == 0 and "stopped by SIGTERM" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0 and "stopped by SIGTERM" in proc.stdout, (
+        proc.returncode,
+        proc.stdout,
+        proc.stderr[-3000:],
+    )
     assert "wakeup fd" not in proc.stderr, proc.stderr[-3000:]
 
 
@@ -111,14 +117,17 @@ async def test_env_pool_node_stops_on_first_sigterm_at_full_concurrency(nats_ser
     node = "sigterm-node"
     marker = f"kiln-sigterm-{uuid.uuid4().hex[:8]}"
     exp = experiment(
-        run_dir, nats_server.url, "sqlite://",
+        run_dir,
+        nats_server.url,
+        "sqlite://",
         envpool={"node_id": node, "max_sandboxes": held + churners, "warm_per_task": 0, "reap_interval_s": 0.2},
-    )  # fmt: skip
+    )
     log_file = run_dir / "node.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.envpool.main", "--config", str(exp), "--instance", node],
-        stdout=open(log_file, "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=open(log_file, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     pool = EnvPoolClient(bus, probe_s=0.5)
     churn_stop = asyncio.Event()
     churned = 0
@@ -131,16 +140,17 @@ async def test_env_pool_node_stops_on_first_sigterm_at_full_concurrency(nats_ser
                 await pool.exec(ref, "echo churn > churn.txt", 10)
                 await pool.destroy(ref)
                 churned += 1
-            except (RemoteError, asyncio.TimeoutError):
+            except (TimeoutError, RemoteError):
                 if proc.poll() is not None or churn_stop.is_set():
                     return
                 # pool_exhausted while a held sandbox takes a slot: go again
 
     try:
+
         async def up() -> bool:
             try:
                 return (await pool.stats(node)).node_id == node
-            except (RemoteError, asyncio.TimeoutError):
+            except (TimeoutError, RemoteError):
                 return False
 
         await wait_for(up, 60, 0.2, "the env-pool process")
@@ -151,8 +161,12 @@ async def test_env_pool_node_stops_on_first_sigterm_at_full_concurrency(nats_ser
         workers = [asyncio.create_task(churn()) for _ in range(churners)]
         # Busy: every held sandbox's command running (a count, as the node reports it and
         # as the sandboxes show it), and the churn well under way.
-        await wait_for(lambda: sum(1 for _ in root.rglob("started")) >= held
-                       or any(c.done() for c in calls), 60, 0.1, "every held sandbox's command to start")  # fmt: skip
+        await wait_for(
+            lambda: sum(1 for _ in root.rglob("started")) >= held or any(c.done() for c in calls),
+            60,
+            0.1,
+            "every held sandbox's command to start",
+        )
         assert not any(c.done() for c in calls), [c.result() for c in calls if c.done()]
         assert len(processes_mentioning(marker)) >= held
         await wait_for(lambda: churned >= 5, 60, 0.1, "churn under way")
@@ -179,8 +193,12 @@ async def test_env_pool_node_stops_on_first_sigterm_at_full_concurrency(nats_ser
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
         # Nothing left behind: no sandboxed command, no bwrap, no launcher, no workspace.
-        await wait_for(lambda: not processes_mentioning(marker, str(root)) and not any(map(alive, zygotes)),
-                       30, 0.1, "the node's sandbox processes to be gone")  # fmt: skip
+        await wait_for(
+            lambda: not processes_mentioning(marker, str(root)) and not any(map(alive, zygotes)),
+            30,
+            0.1,
+            "the node's sandbox processes to be gone",
+        )
         assert not root.exists(), sorted(map(str, root.rglob("*")))[:20]
     finally:
         churn_stop.set()

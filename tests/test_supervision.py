@@ -72,8 +72,13 @@ def smoke_run(tmp_path: Path, *sets: str):
     run to finish and succeed; an unfinished run is interrupted. Afterwards
     ``assert_every_group_accounted`` reads the output."""
     args = [a for kv in ("algorithm.steps=4", *sets) for a in ("--set", kv)]
-    proc = subprocess.Popen([*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={tmp_path}", *args],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={tmp_path}", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = Output(proc)
     try:
         yield out, out.wait(r"results in (\S+)").group(1)
@@ -90,7 +95,9 @@ def assert_every_group_accounted(out: Output) -> None:
     while the bus was down is an infra error, masked, not lost); no failure, no traceback."""
     text = "".join(out.lines)
     groups = re.search(r"policy versions stored \(0\.\.4\), groups: (.*?)(;|$)", text, re.M).group(1)
-    assert "trained" in groups and all(re.fullmatch(r"\d+ (trained|dropped \(\w+\))", g) for g in groups.split(", ")), text
+    assert "trained" in groups and all(re.fullmatch(r"\d+ (trained|dropped \(\w+\))", g) for g in groups.split(", ")), (
+        text
+    )
     assert "FAILED" not in text and "Traceback" not in text
 
 
@@ -114,11 +121,30 @@ def test_a_crash_looping_service_fails_the_run_with_its_reason(tmp_path):
     # reward cannot start at all (its suite names a test command kiln refuses): it exits
     # at once, again and again, until the launcher gives up.
     suite = tmp_path / "bad.jsonl"
-    suite.write_text('{"id": "t", "problem_statement": "x", "files": {"a.py": "x"}, "test_command": "bash run.sh", '
-                     '"fail_to_pass": ["a.T.t"]}\n')  # fmt: skip
-    proc = subprocess.run([*KILN, "run", "--config", str(REPO / "configs" / "smoke.toml"), "--set", f"run.root={tmp_path}",
-                           "--set", f"tasks.suite='{suite}'", "--set", "local.max_restarts=2", "--set", "local.restart_backoff_s=0.1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)  # fmt: skip
+    suite.write_text(
+        '{"id": "t", "problem_statement": "x", "files": {"a.py": "x"}, "test_command": "bash run.sh", '
+        '"fail_to_pass": ["a.T.t"]}\n'
+    )
+    proc = subprocess.run(
+        [
+            *KILN,
+            "run",
+            "--config",
+            str(REPO / "configs" / "smoke.toml"),
+            "--set",
+            f"run.root={tmp_path}",
+            "--set",
+            f"tasks.suite='{suite}'",
+            "--set",
+            "local.max_restarts=2",
+            "--set",
+            "local.restart_backoff_s=0.1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text
     assert re.search(r"FAILED: reward-0 crash-loops: it exited 3 times within 300s", text), text

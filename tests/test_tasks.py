@@ -42,14 +42,22 @@ def test_directory_and_jsonl_suites(tmp_path):
     (d / "repo" / "pkg" / "m.py").write_text("X = 1\n")
     (d / "tests" / "test_m.py").write_text("...")
     (d / "solution" / "pkg" / "m.py").write_text("X = 2\n")
-    (d / "task.toml").write_text('problem_statement = "make X 2"\nfail_to_pass = ["test_m.T.test_x"]\nsplit = "heldout"\n')
+    (d / "task.toml").write_text(
+        'problem_statement = "make X 2"\nfail_to_pass = ["test_m.T.test_x"]\nsplit = "heldout"\n'
+    )
     s = load_suite(str(tmp_path / "suite"))
     t = s.get("my-task")
-    assert t.files == {"pkg/m.py": "X = 1\n"} and t.test_files == {"test_m.py": "..."} and t.solution == {"pkg/m.py": "X = 2\n"}
+    assert (
+        t.files == {"pkg/m.py": "X = 1\n"}
+        and t.test_files == {"test_m.py": "..."}
+        and t.solution == {"pkg/m.py": "X = 2\n"}
+    )
     assert t.split == "heldout"
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"id": "x", "problem_statement": "p", "files": {"../up.py": ""}, "fail_to_pass": ["a"]}) + "\n")
+    bad.write_text(
+        json.dumps({"id": "x", "problem_statement": "p", "files": {"../up.py": ""}, "fail_to_pass": ["a"]}) + "\n"
+    )
     with pytest.raises(ValueError, match="(?s)bad.jsonl:1: invalid task.*stay inside"):
         load_suite(str(bad))
     dup = tmp_path / "dup.jsonl"
@@ -79,7 +87,10 @@ def test_report_parser_unittest_and_pytest():
         "tests/test_x.py::test_one": CaseStatus.PASSED,
         "tests/test_x.py::test_two": CaseStatus.FAILED,
     }
-    assert outcome(r, ["test_m.TestM.test_a", "never.ran"]) == {"test_m.TestM.test_a": CaseStatus.PASSED, "never.ran": CaseStatus.MISSING}
+    assert outcome(r, ["test_m.TestM.test_a", "never.ran"]) == {
+        "test_m.TestM.test_a": CaseStatus.PASSED,
+        "never.ran": CaseStatus.MISSING,
+    }
 
 
 CONSTANTS = load_suite("constants")

@@ -29,13 +29,18 @@ from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import GitRepository, HostBase, OciBase
 from kiln.shared.tasks import load_suite
 from kiln.shared.tasks.importing import r2e_parse_log
-from kiln.shared.tasks.swe import convert_id, patch_paths
 from kiln.shared.tasks.report import outcome, parse_test_report
+from kiln.shared.tasks.swe import convert_id, patch_paths
 
 
 def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
 
 
@@ -57,17 +62,23 @@ CALC_NEG_FIXED = CALC_BUGGY.replace("    return a\n", "    return -a\n")
 TEST_BASE = "from calc import mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n"
 TEST_ADD = "from calc import add, mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 TEST_NEG = "from calc import neg, mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n\n\ndef test_neg():\n    assert neg(2) == -2\n"
-PYPROJECT = ('[project]\nname = "calc"\nversion = "0.1"\n[project.optional-dependencies]\ntests = ["pytest"]\n'
-             '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n')
+PYPROJECT = (
+    '[project]\nname = "calc"\nversion = "0.1"\n[project.optional-dependencies]\ntests = ["pytest"]\n'
+    '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+)
 
 LIB_BUGGY = "def double(x):\n    return x + 2\n\n\ndef half(x):\n    return x / 2\n"
 LIB_FIXED = LIB_BUGGY.replace("x + 2", "x * 2")
-LIB_TEST = ("import unittest\n\nfrom lib import double, half\n\n\nclass LibTest(unittest.TestCase):\n"
-            "    def test_half(self):\n        self.assertEqual(half(4), 2)\n")
+LIB_TEST = (
+    "import unittest\n\nfrom lib import double, half\n\n\nclass LibTest(unittest.TestCase):\n"
+    "    def test_half(self):\n        self.assertEqual(half(4), 2)\n"
+)
 LIB_TEST_NEW = LIB_TEST + "\n    def test_double(self):\n        self.assertEqual(double(3), 6)\n"
 
-R2E_TEST = ("from calc import add, mul\n\n\nclass TestCalc:\n    def test_add(self):\n        assert add(1, 1) == 2\n\n"
-            "    def test_mul(self):\n        assert mul(2, 2) == 4\n")
+R2E_TEST = (
+    "from calc import add, mul\n\n\nclass TestCalc:\n    def test_add(self):\n        assert add(1, 1) == 2\n\n"
+    "    def test_mul(self):\n        assert mul(2, 2) == 4\n"
+)
 
 
 def diff(repo: Path, a: str, b: str, *paths: str) -> str:
@@ -95,8 +106,14 @@ def world(tmp_path_factory):
     src = root / "lib-src"
     src.mkdir()
     git(src, "init", "-q", "-b", "main")
-    write(src, {"setup.py": "from setuptools import setup\nsetup(name='lib', py_modules=['lib'])\n",
-                "lib.py": LIB_BUGGY, "tests/test_lib.py": LIB_TEST})
+    write(
+        src,
+        {
+            "setup.py": "from setuptools import setup\nsetup(name='lib', py_modules=['lib'])\n",
+            "lib.py": LIB_BUGGY,
+            "tests/test_lib.py": LIB_TEST,
+        },
+    )
     lib_base = commit_all(src, "base")
     write(src, {"lib.py": LIB_FIXED, "tests/test_lib.py": LIB_TEST_NEW})
     lib_fix = commit_all(src, "fix double")
@@ -105,30 +122,63 @@ def world(tmp_path_factory):
 
     images = root / "images"
     images.mkdir()
-    return {"root": root, "repos": repos, "images": images, "calc": calc, "src": src, "base": base,
-            "fix_add": fix_add, "fix_neg": fix_neg, "lib_base": lib_base, "lib_fix": lib_fix}
+    return {
+        "root": root,
+        "repos": repos,
+        "images": images,
+        "calc": calc,
+        "src": src,
+        "base": base,
+        "fix_add": fix_add,
+        "fix_neg": fix_neg,
+        "lib_base": lib_base,
+        "lib_fix": lib_fix,
+    }
 
 
 def swe_bench_rows(w) -> list[dict]:
     calc, src = w["calc"], w["src"]
-    add = {"repo": "acme/calc", "instance_id": "acme__calc-1", "base_commit": w["base"],
-           "patch": diff(calc, w["base"], w["fix_add"], "calc"), "test_patch": diff(calc, w["base"], w["fix_add"], "tests"),
-           "problem_statement": "add(a, b) subtracts.", "hints_text": "", "created_at": "2024-01-01",
-           "version": "0.1", "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_add"]),
-           "PASS_TO_PASS": json.dumps(["tests/test_calc.py::test_mul"]), "environment_setup_commit": w["base"]}
-    neg = {**add, "instance_id": "acme__calc-2", "problem_statement": "neg(a) returns a.",
-           "patch": diff(calc, w["base"], w["fix_neg"], "calc"), "test_patch": diff(calc, w["base"], w["fix_neg"], "tests"),
-           "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_neg"])}
-    lib = {"repo": "other/lib", "instance_id": "other__lib-7", "base_commit": w["lib_base"],
-           "patch": diff(src, w["lib_base"], w["lib_fix"], "lib.py"),
-           "test_patch": diff(src, w["lib_base"], w["lib_fix"], "tests"),
-           "problem_statement": "double(x) adds two.", "version": "1.0",
-           "FAIL_TO_PASS": json.dumps(["test_double (tests.test_lib.LibTest)"]),
-           "PASS_TO_PASS": json.dumps(["test_half (tests.test_lib.LibTest)"]), "environment_setup_commit": w["lib_base"]}
+    add = {
+        "repo": "acme/calc",
+        "instance_id": "acme__calc-1",
+        "base_commit": w["base"],
+        "patch": diff(calc, w["base"], w["fix_add"], "calc"),
+        "test_patch": diff(calc, w["base"], w["fix_add"], "tests"),
+        "problem_statement": "add(a, b) subtracts.",
+        "hints_text": "",
+        "created_at": "2024-01-01",
+        "version": "0.1",
+        "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_add"]),
+        "PASS_TO_PASS": json.dumps(["tests/test_calc.py::test_mul"]),
+        "environment_setup_commit": w["base"],
+    }
+    neg = {
+        **add,
+        "instance_id": "acme__calc-2",
+        "problem_statement": "neg(a) returns a.",
+        "patch": diff(calc, w["base"], w["fix_neg"], "calc"),
+        "test_patch": diff(calc, w["base"], w["fix_neg"], "tests"),
+        "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_neg"]),
+    }
+    lib = {
+        "repo": "other/lib",
+        "instance_id": "other__lib-7",
+        "base_commit": w["lib_base"],
+        "patch": diff(src, w["lib_base"], w["lib_fix"], "lib.py"),
+        "test_patch": diff(src, w["lib_base"], w["lib_fix"], "tests"),
+        "problem_statement": "double(x) adds two.",
+        "version": "1.0",
+        "FAIL_TO_PASS": json.dumps(["test_double (tests.test_lib.LibTest)"]),
+        "PASS_TO_PASS": json.dumps(["test_half (tests.test_lib.LibTest)"]),
+        "environment_setup_commit": w["lib_base"],
+    }
     missing = {**add, "instance_id": "nobody__gone-1", "repo": "nobody/gone"}
     no_commit = {**add, "instance_id": "acme__calc-3", "base_commit": "0123456789" * 4}
-    bad_patch = {**add, "instance_id": "acme__calc-4",
-                 "patch": add["patch"].replace("-    return a - b", "-    return a ** b")}
+    bad_patch = {
+        **add,
+        "instance_id": "acme__calc-4",
+        "patch": add["patch"].replace("-    return a - b", "-    return a ** b"),
+    }
     return [add, neg, lib, missing, no_commit, bad_patch]
 
 
@@ -136,8 +186,22 @@ def run_import(w, fmt: str, rows: list[dict], out: Path, *extra: str) -> int:
     src = out.parent / f"{out.name}.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit) as e:
-        main(["tasks", "import", "--format", fmt, str(src), "--repos", str(w["repos"]), "--images", str(w["images"]),
-              "--out", str(out), *extra])
+        main(
+            [
+                "tasks",
+                "import",
+                "--format",
+                fmt,
+                str(src),
+                "--repos",
+                str(w["repos"]),
+                "--images",
+                str(w["images"]),
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
     return e.value.code
 
 
@@ -158,8 +222,9 @@ def run_task(task, env, tmp: Path, with_solution: bool) -> dict[str, CaseStatus]
     if not (bindir / "python").exists():
         (bindir / "python").symlink_to(sys.executable)
     env_vars = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(work)}
-    out = subprocess.run(task.test_command, shell=True, cwd=work, capture_output=True, text=True, env=env_vars,
-                         timeout=120)
+    out = subprocess.run(
+        task.test_command, shell=True, cwd=work, capture_output=True, text=True, env=env_vars, timeout=120
+    )
     return outcome(parse_test_report(out.stdout + out.stderr), task.fail_to_pass + task.pass_to_pass)
 
 
@@ -199,8 +264,14 @@ def test_swe_bench_import(world, tmp_path, capsys):
     assert neg.test_files == {"tests/test_calc.py": TEST_NEG} and neg.solution == {"calc/__init__.py": CALC_NEG_FIXED}
     assert add.fail_to_pass == ["tests/test_calc.py::test_add"] and add.pass_to_pass == ["tests/test_calc.py::test_mul"]
     assert add.test_command == "python -m pytest -rA -p no:cacheprovider tests/test_calc.py"
-    assert add.metadata == {"instance_id": "acme__calc-1", "repo": "acme/calc", "format": "swe-bench",
-                            "base_commit": world["base"], "version": "0.1", "environment_setup_commit": world["base"]}
+    assert add.metadata == {
+        "instance_id": "acme__calc-1",
+        "repo": "acme/calc",
+        "format": "swe-bench",
+        "base_commit": world["base"],
+        "version": "0.1",
+        "environment_setup_commit": world["base"],
+    }
     assert add.problem_statement == "add(a, b) subtracts."
     # unittest ids converted as report.py reports them
     assert lib.fail_to_pass == ["tests.test_lib.LibTest.test_double"]
@@ -214,8 +285,10 @@ def test_swe_bench_import(world, tmp_path, capsys):
 
 def test_env_specs_and_interpreter(world, tmp_path, capsys):
     specs = tmp_path / "specs.toml"
-    specs.write_text('["acme/calc@0.1"]\npython = "3.12"\npackages = ["pytest<9"]\nextras = []\n'
-                     'setup = ["true"]\n\n["other/lib"]\ninstall_project = false\npip_packages = ["six"]\n')
+    specs.write_text(
+        '["acme/calc@0.1"]\npython = "3.12"\npackages = ["pytest<9"]\nextras = []\n'
+        'setup = ["true"]\n\n["other/lib"]\ninstall_project = false\npip_packages = ["six"]\n'
+    )
     out = tmp_path / "suite"
     rows = swe_bench_rows(world)[:3]
     assert run_import(world, "swe-bench", rows, out, "--env-specs", str(specs), "--split", "heldout") == 0
@@ -242,8 +315,12 @@ def test_nothing_imported_exits_1(world, tmp_path, capsys):
 
 def test_swe_gym_lists(world, tmp_path):
     row = swe_bench_rows(world)[0]
-    row = {**row, "instance_id": "acme__calc-gym", "FAIL_TO_PASS": json.loads(row["FAIL_TO_PASS"]),
-           "PASS_TO_PASS": json.loads(row["PASS_TO_PASS"])}
+    row = {
+        **row,
+        "instance_id": "acme__calc-gym",
+        "FAIL_TO_PASS": json.loads(row["FAIL_TO_PASS"]),
+        "PASS_TO_PASS": json.loads(row["PASS_TO_PASS"]),
+    }
     assert run_import(world, "swe-gym", [row], tmp_path / "gym") == 0
     (task,) = load_suite(str(tmp_path / "gym" / "suite.toml")).tasks
     assert task.fail_to_pass == ["tests/test_calc.py::test_add"] and task.metadata["format"] == "swe-gym"
@@ -258,18 +335,33 @@ def oci_archive(path: Path) -> None:
         info.size = len(data)
         t.addfile(info, io.BytesIO(data))
     layer = gzip.compress(layer_buf.getvalue())
-    config = json.dumps({"architecture": "amd64", "os": "linux",
-                         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(layer_buf.getvalue()).hexdigest()]}}).encode()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(layer_buf.getvalue()).hexdigest()]},
+        }
+    ).encode()
 
     def desc(media, blob):
         return {"mediaType": media, "digest": "sha256:" + hashlib.sha256(blob).hexdigest(), "size": len(blob)}
 
-    manifest = json.dumps({"schemaVersion": 2, "config": desc("application/vnd.oci.image.config.v1+json", config),
-                           "layers": [desc("application/vnd.oci.image.layer.v1.tar+gzip", layer)]}).encode()
-    index = json.dumps({"schemaVersion": 2, "manifests": [desc("application/vnd.oci.image.manifest.v1+json", manifest)]}).encode()
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "config": desc("application/vnd.oci.image.config.v1+json", config),
+            "layers": [desc("application/vnd.oci.image.layer.v1.tar+gzip", layer)],
+        }
+    ).encode()
+    index = json.dumps(
+        {"schemaVersion": 2, "manifests": [desc("application/vnd.oci.image.manifest.v1+json", manifest)]}
+    ).encode()
     with tarfile.open(path, "w") as t:
-        for name, blob in [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", index),
-                           *((f"blobs/sha256/{hashlib.sha256(b).hexdigest()}", b) for b in (layer, config, manifest))]:
+        for name, blob in [
+            ("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'),
+            ("index.json", index),
+            *((f"blobs/sha256/{hashlib.sha256(b).hexdigest()}", b) for b in (layer, config, manifest)),
+        ]:
             info = tarfile.TarInfo(name)
             info.size = len(blob)
             t.addfile(info, io.BytesIO(blob))
@@ -286,10 +378,15 @@ def test_swe_smith(world, tmp_path):
     git(calc, "checkout", "-q", "main")
     image = "jyangballin/swesmith.x86_64.acme_1776_calc.abcd1234"
     oci_archive(world["images"] / (image.replace("/", "_") + ".tar"))
-    row = {"instance_id": "acme__calc.abcd1234.lm_modify__x1", "repo": f"swesmith/acme__calc.{clean[:8]}",
-           "patch": bug, "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
-           "PASS_TO_PASS": ["tests/test_calc.py::test_mul"], "image_name": image,
-           "problem_statement": "add is off by one"}
+    row = {
+        "instance_id": "acme__calc.abcd1234.lm_modify__x1",
+        "repo": f"swesmith/acme__calc.{clean[:8]}",
+        "patch": bug,
+        "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+        "PASS_TO_PASS": ["tests/test_calc.py::test_mul"],
+        "image_name": image,
+        "problem_statement": "add is off by one",
+    }
     no_image = {**row, "instance_id": "acme__calc.abcd1234.lm_modify__x2", "image_name": "nobody/nothing"}
     out = tmp_path / "smith"
     assert run_import(world, "swe-smith", [row, no_image], out, "--image-python", "/usr/local/bin/python") == 0
@@ -315,15 +412,22 @@ def test_swe_smith(world, tmp_path):
 def test_r2e_gym(world, tmp_path):
     """R2E-Gym: commit_hash is the fix, its parent the start; tests from
     execution_result_content, FAIL_TO_PASS from its old-commit log and expected_output_json."""
-    old_log = ("============ short test summary info ============\n"
-               "PASSED r2e_tests/test_1.py::TestCalc::test_mul\n"
-               "FAILED r2e_tests/test_1.py::TestCalc::test_add - assert 0 == 2\n")
-    row = {"repo_name": "calc", "docker_image": "namanjain12/calc_final:" + world["fix_add"],
-           "commit_hash": world["fix_add"], "problem_statement": "add subtracts",
-           "execution_result_content": json.dumps({"test_file_names": ["test_1.py"], "test_file_codes": [R2E_TEST],
-                                                   "old_commit_res_stdout": old_log}),
-           "expected_output_json": json.dumps({"TestCalc.test_add": "PASSED", "TestCalc.test_mul": "PASSED"}),
-           "modified_files": ["calc/__init__.py", "tests/test_calc.py"]}
+    old_log = (
+        "============ short test summary info ============\n"
+        "PASSED r2e_tests/test_1.py::TestCalc::test_mul\n"
+        "FAILED r2e_tests/test_1.py::TestCalc::test_add - assert 0 == 2\n"
+    )
+    row = {
+        "repo_name": "calc",
+        "docker_image": "namanjain12/calc_final:" + world["fix_add"],
+        "commit_hash": world["fix_add"],
+        "problem_statement": "add subtracts",
+        "execution_result_content": json.dumps(
+            {"test_file_names": ["test_1.py"], "test_file_codes": [R2E_TEST], "old_commit_res_stdout": old_log}
+        ),
+        "expected_output_json": json.dumps({"TestCalc.test_add": "PASSED", "TestCalc.test_mul": "PASSED"}),
+        "modified_files": ["calc/__init__.py", "tests/test_calc.py"],
+    }
     out = tmp_path / "r2e"
     assert run_import(world, "r2e-gym", [row], out) == 0
     (task,) = load_suite(str(out / "suite.toml")).tasks
@@ -343,17 +447,20 @@ def test_id_and_patch_helpers():
     assert convert_id("test_x (mod.Class)", {}) == ("unittest", "mod.Class.test_x")
     assert convert_id("test_x (mod.Class.test_x)\nDoc line", {}) == ("unittest", "mod.Class.test_x")
     # sympy's bin/test ids: a bare name, found in the instance's test files
-    assert convert_id("test_sqrt", {"sympy/t/test_a.py": "def test_other():\n    pass\ndef test_sqrt():\n    pass\n"}) \
-        == ("pytest", "sympy/t/test_a.py::test_sqrt")
+    assert convert_id(
+        "test_sqrt", {"sympy/t/test_a.py": "def test_other():\n    pass\ndef test_sqrt():\n    pass\n"}
+    ) == ("pytest", "sympy/t/test_a.py::test_sqrt")
     from kiln.shared.tasks.swe import Skip
 
     with pytest.raises(Skip, match="defines it"):
         convert_id("test_nowhere", {})
     with pytest.raises(Skip, match="unsupported test id"):
         convert_id("A docstring sentence.", {})
-    patch = ("diff --git a/x.py b/y.py\nsimilarity index 90%\nrename from x.py\nrename to y.py\n"
-             "diff --git a/new.py b/new.py\nnew file mode 100644\n--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+--- x\n"
-             "diff --git a/old.py b/old.py\ndeleted file mode 100644\n--- a/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n")
+    patch = (
+        "diff --git a/x.py b/y.py\nsimilarity index 90%\nrename from x.py\nrename to y.py\n"
+        "diff --git a/new.py b/new.py\nnew file mode 100644\n--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+--- x\n"
+        "diff --git a/old.py b/old.py\ndeleted file mode 100644\n--- a/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"
+    )
     assert patch_paths(patch) == [("x.py", "y.py"), (None, "new.py"), ("old.py", None)]
     log = "== short test summary info ==\nPASSED r2e_tests/t.py::C::test_a\nFAILED r2e_tests/t.py::test_b - boom\n"
     assert r2e_parse_log(log) == {"C.test_a": "PASSED", "test_b": "FAILED"}

@@ -52,8 +52,13 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewr
 
 
 def git(repo: Path, *args: str, date: str | None = None) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "injector", "GIT_AUTHOR_EMAIL": "i@example.org",
-           "GIT_COMMITTER_NAME": "injector", "GIT_COMMITTER_EMAIL": "i@example.org"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "injector",
+        "GIT_AUTHOR_EMAIL": "i@example.org",
+        "GIT_COMMITTER_NAME": "injector",
+        "GIT_COMMITTER_EMAIL": "i@example.org",
+    }
     if date:
         env.update(GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date)
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env).stdout
@@ -82,13 +87,19 @@ def run_suite(checkout: Path) -> tuple[int, dict[str, CaseStatus]]:
     interpreter's pytest with the checkout's ``src`` first on the path (so pytest's own
     ``import iniconfig`` and the tests' get the checkout's)."""
     env = {**os.environ, "PYTHONPATH": str(checkout / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          "--color=no", TEST_FILE], cwd=checkout, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist", "--color=no", TEST_FILE],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     statuses = {}
     for line in out.stdout.splitlines():  # -rA's summary, ids with spaces whole (as an exporter writes them)
         for word, status in (("PASSED", CaseStatus.PASSED), ("FAILED", CaseStatus.FAILED), ("ERROR", CaseStatus.ERROR)):
             if line.startswith(word + " ") and "::" in line:
-                statuses[line[len(word) + 1:].split(" - ", 1)[0]] = status
+                statuses[line[len(word) + 1 :].split(" - ", 1)[0]] = status
     return out.returncode, statuses
 
 
@@ -105,14 +116,28 @@ def bugs(tmp_path_factory):
     git(work, "commit", "-q", "-m", f"{NAME} {VERSION}", date=ERA)
     clean = git(work, "rev-parse", "HEAD").strip()
     rc, baseline = run_suite(work)
-    assert rc == 0 and f"{TEST_FILE}::test_parse_empty" in baseline and f"{TEST_FILE}::test_tokenize[blank line]" in baseline, baseline
+    assert (
+        rc == 0
+        and f"{TEST_FILE}::test_parse_empty" in baseline
+        and f"{TEST_FILE}::test_tokenize[blank line]" in baseline
+    ), baseline
     passing = {t for t, s in baseline.items() if s == CaseStatus.PASSED}
-    assert str(work / "src" / NAME) in subprocess.run(
-        [sys.executable, "-c", f"import pytest, {NAME}; print({NAME}.__file__)"], cwd=work, capture_output=True,
-        text=True, env={**os.environ, "PYTHONPATH": str(work / "src")}).stdout  # the check runs the checkout's code
+    assert (
+        str(work / "src" / NAME)
+        in subprocess.run(
+            [sys.executable, "-c", f"import pytest, {NAME}; print({NAME}.__file__)"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(work / "src")},
+        ).stdout
+    )  # the check runs the checkout's code
 
-    candidates = [s for path in ("src/iniconfig/__init__.py", "src/iniconfig/_parse.py")
-                  for s in sites(path, (work / path).read_text())]
+    candidates = [
+        s
+        for path in ("src/iniconfig/__init__.py", "src/iniconfig/_parse.py")
+        for s in sites(path, (work / path).read_text())
+    ]
     random.Random(0).shuffle(candidates)
     rows, functions = [], set()
     for site in candidates[:40]:
@@ -133,11 +158,18 @@ def bugs(tmp_path_factory):
         git(work, "commit", "-q", "-am", f"inject bug {n}")  # dated now: generation time, not the era
         bug = git(work, "rev-parse", "HEAD").strip()
         assert not git(work, "log", "--format=%P", "-1", bug).strip()  # parentless
-        row = {"instance_id": f"pytest-dev__iniconfig-{n}", "repo": "pytest-dev/iniconfig", "base_commit": bug,
-               "patch": git(work, "diff", bug, clean, "--", m.path), "problem_statement":
-               f"Some of iniconfig's tests fail: {', '.join(f2p[:5])}. Please fix the package.",
-               "FAIL_TO_PASS": json.dumps(f2p), "PASS_TO_PASS": json.dumps(sorted(passing - set(broken))),
-               "created_at": ERA, "version": "2.3", "hints_text": ""}
+        row = {
+            "instance_id": f"pytest-dev__iniconfig-{n}",
+            "repo": "pytest-dev/iniconfig",
+            "base_commit": bug,
+            "patch": git(work, "diff", bug, clean, "--", m.path),
+            "problem_statement": f"Some of iniconfig's tests fail: {', '.join(f2p[:5])}. Please fix the package.",
+            "FAIL_TO_PASS": json.dumps(f2p),
+            "PASS_TO_PASS": json.dumps(sorted(passing - set(broken))),
+            "created_at": ERA,
+            "version": "2.3",
+            "hints_text": "",
+        }
         if n % 2:
             row["test_patch"] = ""  # odd: an empty test patch; even: none at all
         rows.append(row)
@@ -147,16 +179,34 @@ def bugs(tmp_path_factory):
     assert len(rows) == INSTANCES, f"{len(rows)} bugs from {len(candidates)} sites"
     repos = root / "repos"
     subprocess.run(["git", "clone", "-q", "--mirror", str(work), str(repos / "pytest-dev__iniconfig.git")], check=True)
-    return {"root": root, "repos": repos, "rows": rows, "clean": clean,
-            "test_file": (work / TEST_FILE).read_text(), "work": work}
+    return {
+        "root": root,
+        "repos": repos,
+        "rows": rows,
+        "clean": clean,
+        "test_file": (work / TEST_FILE).read_text(),
+        "work": work,
+    }
 
 
 def import_rows(bugs, rows: list[dict], out: Path, *extra: str) -> int:
     src = out.parent / f"{out.name}.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit) as e:
-        main(["tasks", "import", "--format", extra[0] if extra else "swe-bench", str(src), "--repos", str(bugs["repos"]),
-              "--out", str(out), *extra[1:]])
+        main(
+            [
+                "tasks",
+                "import",
+                "--format",
+                extra[0] if extra else "swe-bench",
+                str(src),
+                "--repos",
+                str(bugs["repos"]),
+                "--out",
+                str(out),
+                *extra[1:],
+            ]
+        )
     return e.value.code
 
 
@@ -192,7 +242,9 @@ def test_injected_instances_import_and_validate_without_env_specs(bugs, env_root
         assert task.files == {} and task.test_files == {TEST_FILE: bugs["test_file"]}
         assert task.metadata["tests_in_repository"] is True
         assert task.fail_to_pass == json.loads(row["FAIL_TO_PASS"])
-        assert set(task.pass_to_pass) | set(task.metadata.get("dropped_pass_to_pass", [])) == set(json.loads(row["PASS_TO_PASS"]))
+        assert set(task.pass_to_pass) | set(task.metadata.get("dropped_pass_to_pass", [])) == set(
+            json.loads(row["PASS_TO_PASS"])
+        )
         (path,) = task.solution
         assert task.solution[path] == git(bugs["work"], "show", f"{bugs['clean']}:{path}")
 
@@ -213,8 +265,10 @@ def test_injected_instances_import_and_validate_without_env_specs(bugs, env_root
     assert validate(tmp_path / "copy" / "suite.toml", env_root) == 1
     printed = capsys.readouterr().out
     assert "REJECTED pytest-dev__iniconfig-1" in printed
-    assert ("imports: the tests import iniconfig from /opt/kiln/venv/lib/python3.11/site-packages/iniconfig/__init__.py, "
-            "not from the repository's files under /workspace") in printed, printed
+    assert (
+        "imports: the tests import iniconfig from /opt/kiln/venv/lib/python3.11/site-packages/iniconfig/__init__.py, "
+        "not from the repository's files under /workspace"
+    ) in printed, printed
 
 
 @needs_bwrap
@@ -245,7 +299,9 @@ def test_conventions_that_do_not_fit_the_format_are_named(bugs, tmp_path, capsys
     fixed = {**bugs["rows"][0], "instance_id": "pytest-dev__iniconfig-fixed", "base_commit": bugs["clean"]}
     assert import_rows(bugs, [fixed], tmp_path / "fixed") == 1
     text = "".join(capsys.readouterr())
-    assert f"patch (the fix) applies only in reverse at {bugs['clean'][:12]}: the repository there already has it" in text
+    assert (
+        f"patch (the fix) applies only in reverse at {bugs['clean'][:12]}: the repository there already has it" in text
+    )
     assert "format mismatch: patch applies in reverse" in text
 
 
@@ -262,20 +318,58 @@ def test_a_short_run_over_the_imported_suite(bugs, env_root, tmp_path):
     out = tmp_path / "suite"
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in bugs["rows"]))
-    subprocess.run([sys.executable, "-m", "kiln.shared.cli", "tasks", "import", "--format", "swe-bench", str(src),
-                    "--repos", str(bugs["repos"]), "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.shared.cli",
+            "tasks",
+            "import",
+            "--format",
+            "swe-bench",
+            str(src),
+            "--repos",
+            str(bugs["repos"]),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln.shared.cli", "run", "--config", str(REPO / "configs" / "smoke.toml"),
-         "--set", f"run.root={tmp_path / 'runs'}", "--set", f"tasks.suite={out / 'suite.toml'}",
-         "--set", f"envpool.environments_root={env_root}", "--set", "algorithm.steps=1",
-         "--set", "algorithm.samples_per_group=2", "--set", "rollout.max_turns=2"],
-        capture_output=True, text=True, timeout=540, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "kiln.shared.cli",
+            "run",
+            "--config",
+            str(REPO / "configs" / "smoke.toml"),
+            "--set",
+            f"run.root={tmp_path / 'runs'}",
+            "--set",
+            f"tasks.suite={out / 'suite.toml'}",
+            "--set",
+            f"envpool.environments_root={env_root}",
+            "--set",
+            "algorithm.steps=1",
+            "--set",
+            "algorithm.samples_per_group=2",
+            "--set",
+            "rollout.max_turns=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     pg = PostgresServer(run_dir / "db" / "pg").start()
     try:
         with psycopg.connect(pg.url) as conn:
-            rows = conn.execute("SELECT task_id, reward, infra_error, failure, test_output FROM trajectories").fetchall()
+            rows = conn.execute(
+                "SELECT task_id, reward, infra_error, failure, test_output FROM trajectories"
+            ).fetchall()
     finally:
         pg.stop()
     ids = {r["instance_id"] for r in bugs["rows"]}

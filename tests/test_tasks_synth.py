@@ -62,9 +62,20 @@ def test_mutations_cover_every_kind_and_keep_the_rest_of_the_file():
     ms = mutations("pkg/mod.py", SOURCE)
     assert {m.kind for m in ms} == set(KINDS)
     descriptions = {m.description for m in ms}
-    for d in ("comparison Lt -> LtE", "comparison In -> NotIn", "comparison IsNot -> Is", "operator Add -> Sub",
-              "operator FloorDiv -> Mult", "boolean And -> Or", "constant True -> False", "constant 'n' -> ''",
-              "constant 1 -> 2", "condition of if negated", "return statement removed", "augassign statement removed"):
+    for d in (
+        "comparison Lt -> LtE",
+        "comparison In -> NotIn",
+        "comparison IsNot -> Is",
+        "operator Add -> Sub",
+        "operator FloorDiv -> Mult",
+        "boolean And -> Or",
+        "constant True -> False",
+        "constant 'n' -> ''",
+        "constant 1 -> 2",
+        "condition of if negated",
+        "return statement removed",
+        "augassign statement removed",
+    ):
         assert d in descriptions, d
     for m in ms:
         assert m.original == SOURCE and m.mutated != SOURCE
@@ -74,10 +85,10 @@ def test_mutations_cover_every_kind_and_keep_the_rest_of_the_file():
         src, new = SOURCE.encode(), m.mutated.encode()
         # only the mutated node's text changed: every line before and after it is byte-identical
         if m.kind == "remove":  # exactly the statement's lines are gone
-            assert new == b"".join(lines[: m.lineno - 1] + lines[m.end_lineno:]) and m.after == ""
+            assert new == b"".join(lines[: m.lineno - 1] + lines[m.end_lineno :]) and m.after == ""
         else:
-            assert head >= len(b"".join(lines[: m.lineno - 1])) and tail >= len(b"".join(lines[m.end_lineno:]))
-            assert src[head: len(src) - tail].decode() in m.before and new[head: len(new) - tail].decode() in m.after
+            assert head >= len(b"".join(lines[: m.lineno - 1])) and tail >= len(b"".join(lines[m.end_lineno :]))
+            assert src[head : len(src) - tail].decode() in m.before and new[head : len(new) - tail].decode() in m.after
         assert "# a comment that must survive" in m.mutated
         assert "# keep me" in m.mutated or "# keep me" in m.before  # a removed line goes with its comment
         assert '"""Docstring stays."""' in m.mutated  # docstrings and f-strings are never mutated
@@ -102,8 +113,23 @@ PACKAGE = "itsdangerous==2.2.0"
 
 
 def _synth(out: Path, root: Path, seed: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kiln.shared.cli", "tasks", "synth", "--package", PACKAGE, "--out", str(out),
-           "--max-per-package", "3", "--seed", str(seed), "--root", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.shared.cli",
+        "tasks",
+        "synth",
+        "--package",
+        PACKAGE,
+        "--out",
+        str(out),
+        "--max-per-package",
+        "3",
+        "--seed",
+        str(seed),
+        "--root",
+        str(root),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -148,11 +174,11 @@ async def test_synthesized_tasks_validate_and_split_by_module(synthesized):
         bugged, original = t.files[rel], t.solution[rel]
         head, tail, changed = _region(original, bugged)
         assert 0 < head and changed < 400
-        before = original.encode()[head: len(original.encode()) - tail].decode(errors="replace")
-        after = bugged.encode()[head: len(bugged.encode()) - tail].decode(errors="replace")
+        before = original.encode()[head : len(original.encode()) - tail].decode(errors="replace")
+        after = bugged.encode()[head : len(bugged.encode()) - tail].decode(errors="replace")
         # the problem statement names failing tests, never the changed code
         assert t.fail_to_pass[0] in t.problem_statement
-        changed_lines = [x.strip() for x in original.splitlines()[t.metadata["line"] - 1:][:1] if len(x.strip()) >= 6]
+        changed_lines = [x.strip() for x in original.splitlines()[t.metadata["line"] - 1 :][:1] if len(x.strip()) >= 6]
         for text in (*changed_lines, before.strip(), after.strip()):
             if len(text) >= 6:
                 assert text not in t.problem_statement, (t.id, text)
@@ -189,22 +215,44 @@ def test_validate_rejects_broken_tasks_with_reasons(synthesized, tmp_path):
     already_passes = good.model_copy(update={"id": "f2p-already-passes", "fail_to_pass": [good.pass_to_pass[0]]})
     no_fix = good.model_copy(update={"id": "solution-does-not-fix", "solution": {rel: good.files[rel]}})
     host = load_suite("builtin").tasks[0]
-    broken_env = Task(id="env-broken", problem_statement="x", files={}, fail_to_pass=["t"], environment="cannot-build",
-                      test_command="true")
+    broken_env = Task(
+        id="env-broken",
+        problem_statement="x",
+        files={},
+        fail_to_pass=["t"],
+        environment="cannot-build",
+        test_command="true",
+    )
     tasks = [good, already_passes, no_fix, host, broken_env]
     (tmp_path / "tasks.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in tasks))
     envs = [e.model_dump(mode="json") for e in suite.environments.values()]
     (tmp_path / "repo").mkdir()
-    envs.append({"name": "cannot-build", "repository": {"kind": "dir", "path": str(tmp_path / "repo")},
-                 "setup": ["echo no such luck; exit 3"]})
+    envs.append(
+        {
+            "name": "cannot-build",
+            "repository": {"kind": "dir", "path": str(tmp_path / "repo")},
+            "setup": ["echo no such luck; exit 3"],
+        }
+    )
     (tmp_path / "suite.json").write_text(json.dumps({"tasks": "tasks.jsonl", "environments": envs}))
     # a TOML suite, written through the suite writer
     from kiln.shared.environments import EnvironmentSpec
     from kiln.shared.tasks import write_suite_file
 
     write_suite_file(tmp_path / "suite.toml", "tasks.jsonl", [EnvironmentSpec.model_validate(e) for e in envs])
-    cmd = [sys.executable, "-m", "kiln.shared.cli", "tasks", "validate", "--suite", str(tmp_path / "suite.toml"),
-           "--root", str(root), "--write-valid", str(tmp_path / "valid" / "tasks.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.shared.cli",
+        "tasks",
+        "validate",
+        "--suite",
+        str(tmp_path / "suite.toml"),
+        "--root",
+        str(root),
+        "--write-valid",
+        str(tmp_path / "valid" / "tasks.jsonl"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr
     text = out.stdout
@@ -234,8 +282,21 @@ THREE = ("itsdangerous==2.2.0", "humanize==4.11.0", "python-dateutil==2.9.0.post
 def test_three_packages(tmp_path):
     """The suite docs/tasks.md describes: three packages whose tests need third-party
     modules the host lacks (freezegun; freezegun; six, freezegun and hypothesis)."""
-    cmd = [sys.executable, "-m", "kiln.shared.cli", "tasks", "synth", "--out", str(tmp_path / "out"),
-           "--max-per-package", "3", "--seed", "0", "--root", str(tmp_path / "envs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.shared.cli",
+        "tasks",
+        "synth",
+        "--out",
+        str(tmp_path / "out"),
+        "--max-per-package",
+        "3",
+        "--seed",
+        "0",
+        "--root",
+        str(tmp_path / "envs"),
+    ]
     for p in THREE:
         cmd += ["--package", p]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
@@ -246,7 +307,20 @@ def test_three_packages(tmp_path):
         tasks = [t for t in suite.tasks if t.environment == env]
         assert tasks, env
         assert {t.split for t in tasks} == {"train", "heldout"}, env
-    out = subprocess.run([sys.executable, "-m", "kiln.shared.cli", "tasks", "validate", "--suite",
-                          str(tmp_path / "out" / "suite.toml"), "--root", str(tmp_path / "envs")],
-                         capture_output=True, text=True, timeout=3000)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.shared.cli",
+            "tasks",
+            "validate",
+            "--suite",
+            str(tmp_path / "out" / "suite.toml"),
+            "--root",
+            str(tmp_path / "envs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert out.returncode == 0, out.stdout

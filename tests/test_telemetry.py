@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
-import logging
 
 from kiln.shared.config import TelemetrySettings
 from kiln.shared.telemetry import (
@@ -55,15 +55,16 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus, ca
     import asyncio
 
     import httpx
+    from harness import wait_for
 
     from kiln.shared import contracts as c
     from kiln.shared.config import NatsSettings, ServiceConfig
     from kiln.shared.service import run_service
 
-    from harness import wait_for
-
-    cfg = ServiceConfig(nats=NatsSettings(url=nats_server.url),
-                        telemetry=TelemetrySettings(log_format="text", metrics_port=0, metrics_linger_s=60))
+    cfg = ServiceConfig(
+        nats=NatsSettings(url=nats_server.url),
+        telemetry=TelemetrySettings(log_format="text", metrics_port=0, metrics_linger_s=60),
+    )
     body_done, stop = asyncio.Event(), asyncio.Event()
     caplog.set_level(logging.INFO, logger="kiln.service")
 
@@ -71,8 +72,9 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus, ca
         ctx.meter.create_counter("kiln_test_work_done").add(3)
         body_done.set()
 
-    task = asyncio.create_task(run_service("lingerer", cfg, body, stop=stop, install_signals=False,
-                                           set_global_telemetry=False))
+    task = asyncio.create_task(
+        run_service("lingerer", cfg, body, stop=stop, install_signals=False, set_global_telemetry=False)
+    )
     await asyncio.wait_for(body_done.wait(), 20)
     # Past the point where the endpoint used to close: the service is in its linger.
     await wait_for(lambda: any("metrics stay up" in r.getMessage() for r in caplog.records), 20, 0.05, "the linger")

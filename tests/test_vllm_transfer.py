@@ -13,18 +13,16 @@ import textwrap
 
 import pytest
 import torch
+from harness import experiment
 from safetensors.torch import load_file
+from test_weights import checkpoints
 
+from kiln.rollout.config import RolloutConfig
+from kiln.rollout.main import check_broadcast
 from kiln.shared.config import load_config
 from kiln.shared.embedded import free_port
 from kiln.shared.weights.manifest import build_manifest
 from kiln.shared.weights.transport.vllm_nccl import rendezvous, update_info
-
-from kiln.rollout.config import RolloutConfig
-from kiln.rollout.main import check_broadcast
-
-from harness import experiment
-from test_weights import checkpoints
 
 
 def test_update_info_follows_the_manifest_in_sorted_order(tmp_path):
@@ -49,14 +47,31 @@ def test_rendezvous_is_tcp_host_and_port():
 
 @pytest.mark.parametrize(
     ("engine", "backend", "error"),
-    [("vllm", "vllm-nccl", None), ("torch", "gloo", None), ("torch", "nccl", None),
-     ("vllm", "nccl", "use broadcast_backend = 'vllm-nccl'"), ("torch", "vllm-nccl", "feeds rollout.engine = 'vllm'"),
-     ("sim", "gloo", "feeds rollout.engine = 'torch'")],
-)  # fmt: skip
+    [
+        ("vllm", "vllm-nccl", None),
+        ("torch", "gloo", None),
+        ("torch", "nccl", None),
+        ("vllm", "nccl", "use broadcast_backend = 'vllm-nccl'"),
+        ("torch", "vllm-nccl", "feeds rollout.engine = 'vllm'"),
+        ("sim", "gloo", "feeds rollout.engine = 'torch'"),
+    ],
+)
 def test_each_broadcast_path_feeds_its_engine(tmp_path, engine, backend, error):
-    exp = experiment(tmp_path, "nats://127.0.0.1:4222", "sqlite://", rollout={"engine": engine},
-                     weights={"transport": {"init_method": "tcp://127.0.0.1:29600", "world_size": 2,
-                              **({"kind": "vllm-nccl"} if backend == "vllm-nccl" else {"kind": "torch-broadcast", "backend": backend})}})  # fmt: skip
+    exp = experiment(
+        tmp_path,
+        "nats://127.0.0.1:4222",
+        "sqlite://",
+        rollout={"engine": engine},
+        weights={
+            "transport": {
+                "init_method": "tcp://127.0.0.1:29600",
+                "world_size": 2,
+                **(
+                    {"kind": "vllm-nccl"} if backend == "vllm-nccl" else {"kind": "torch-broadcast", "backend": backend}
+                ),
+            }
+        },
+    )
     cfg = load_config(RolloutConfig, exp)
     if error is None:
         check_broadcast(cfg)
@@ -108,7 +123,10 @@ ENGINE = textwrap.dedent("""
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not _cuda_vllm(), reason="vLLM's NCCL weight transfer needs 2 CUDA GPUs (sender and engine on their own) and a CUDA build of vLLM; this machine has neither")
+@pytest.mark.skipif(
+    not _cuda_vllm(),
+    reason="vLLM's NCCL weight transfer needs 2 CUDA GPUs (sender and engine on their own) and a CUDA build of vLLM; this machine has neither",
+)
 def test_a_version_sent_over_vllm_nccl_is_served_by_the_engine(tmp_path):
     from kiln.shared.model.checkpoint import load_checkpoint
     from kiln.shared.model.moe import sequence_logprobs
@@ -116,10 +134,19 @@ def test_a_version_sent_over_vllm_nccl_is_served_by_the_engine(tmp_path):
     staged = checkpoints(tmp_path, 2, change=1.0)
     init = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ)
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, init, str(staged[1])], env={**env, "CUDA_VISIBLE_DEVICES": "0"},
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    engine = subprocess.run([sys.executable, "-c", ENGINE, init, str(staged[0]), str(staged[1])],
-                            env={**env, "CUDA_VISIBLE_DEVICES": "1"}, capture_output=True, text=True, timeout=500)  # fmt: skip
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, init, str(staged[1])],
+        env={**env, "CUDA_VISIBLE_DEVICES": "0"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    engine = subprocess.run(
+        [sys.executable, "-c", ENGINE, init, str(staged[0]), str(staged[1])],
+        env={**env, "CUDA_VISIBLE_DEVICES": "1"},
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     sent = sender.communicate(timeout=60)[0]
     assert engine.returncode == 0 and sender.returncode == 0, engine.stderr[-3000:]
     assert int(sent.strip().splitlines()[-1]) > 0

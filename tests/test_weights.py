@@ -10,6 +10,7 @@ import hashlib
 import httpx
 import pytest
 import torch
+from harness import InProcessPlatform, experiment, wait_for
 from safetensors.torch import load_file
 from sqlalchemy import select
 
@@ -19,13 +20,19 @@ from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
 from kiln.shared.model.tokenizer import train_tokenizer
 from kiln.shared.weights.manifest import IntegrityError
 from kiln.shared.weights.transport.files import FsSource, HttpSource, WeightReceiver
-
 from kiln.weights.store import VersionStore
 
-from harness import InProcessPlatform, experiment, wait_for
-
-CFG = MoEConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+CFG = MoEConfig(
+    vocab_size=300,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+)
 
 
 def checkpoints(tmp_path, n: int, change: float = 1.0, seed: int = 0):
@@ -60,7 +67,9 @@ def same_files(a, b) -> bool:
 async def test_round_trip_is_bit_exact(tmp_path, delta):
     staged = checkpoints(tmp_path, 4)
     store = VersionStore(tmp_path / "store", delta=delta, keyframe_every=10)
-    stored = [store.put(s, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, s in enumerate(staged)]
+    stored = [
+        store.put(s, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, s in enumerate(staged)
+    ]
     assert [s.manifest.storage for s in stored] == ["full"] + ["delta" if delta else "full"] * 3
     cold = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-cold")
     warm = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-warm")
@@ -85,7 +94,9 @@ async def test_delta_ships_only_what_changed(tmp_path):
     for v in range(2):
         if v:
             for i in (17, 63):
-                tensors[f"model.layers.{i}.w"] = tensors[f"model.layers.{i}.w"] + 1e-3 * torch.randn(64, 256, generator=g)
+                tensors[f"model.layers.{i}.w"] = tensors[f"model.layers.{i}.w"] + 1e-3 * torch.randn(
+                    64, 256, generator=g
+                )
         d = tmp_path / f"v{v}"
         d.mkdir()
         save_file(tensors, str(d / "model.safetensors"))
@@ -232,7 +243,15 @@ def test_retention_keeps_chains_and_tags(tmp_path):
     store = VersionStore(tmp_path / "store", delta=True, keyframe_every=3)
     for v, s in enumerate(staged):
         store.put(s, run_id="r", version=v, step=v, parent_version=v - 1 if v else None)
-    assert [store.manifest("r", v).storage for v in range(7)] == ["full", "delta", "delta", "full", "delta", "delta", "full"]
+    assert [store.manifest("r", v).storage for v in range(7)] == [
+        "full",
+        "delta",
+        "delta",
+        "full",
+        "delta",
+        "delta",
+        "full",
+    ]
     assert store.chain("r", 5) == [3, 4, 5]
     deleted = store.retain("r", keep_last=2, protected={1})
     # keep 5 and 6 (newest two): 5 needs 3 and 4; tagged 1 needs 0
@@ -240,8 +259,12 @@ def test_retention_keeps_chains_and_tags(tmp_path):
 
 
 async def test_weights_service_publishes_serves_and_retains(nats_server, bus, pg_url, run_dir, tmp_path):
-    exp = experiment(run_dir, nats_server.url, pg_url, weights={"delta": True, "keyframe_every": 4, "keep_last": 2,
-                                                                  "http_port": 0, "http_token": "tok"})  # fmt: skip
+    exp = experiment(
+        run_dir,
+        nats_server.url,
+        pg_url,
+        weights={"delta": True, "keyframe_every": 4, "keep_last": 2, "http_port": 0, "http_token": "tok"},
+    )
     p = InProcessPlatform(exp)
     run_id = p.config("weights").run.id
     db = Database(pg_url)
@@ -257,7 +280,9 @@ async def test_weights_service_publishes_serves_and_retains(nats_server, bus, pg
     await p.start("weights")
     try:
         for v, folder in enumerate(staged):
-            ck = c.PolicyCheckpoint(run_id=run_id, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder))
+            ck = c.PolicyCheckpoint(
+                run_id=run_id, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder)
+            )
             await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run_id}-ckpt-v{v}")
         await wait_for(lambda: len(seen) == 6, 60, 0.1, "six versions published")
         assert [m.version for m in seen] == list(range(6)) and seen[0].url.startswith("http://127.0.0.1:")
@@ -271,7 +296,9 @@ async def test_weights_service_publishes_serves_and_retains(nats_server, bus, pg
             assert [r["version"] for r in rows if not r["deleted"]] == [4, 5]
             m4 = (await h.get(f"/runs/{run_id}/versions/4/manifest", headers=auth)).json()
             size = next(f["size"] for f in m4["files"] if f["path"] == "model.safetensors")
-            part = await h.get(f"/runs/{run_id}/versions/4/files/model.safetensors", headers={**auth, "Range": "bytes=8-23"})
+            part = await h.get(
+                f"/runs/{run_id}/versions/4/files/model.safetensors", headers={**auth, "Range": "bytes=8-23"}
+            )
             assert part.status_code == 206 and part.content == (staged[4] / "model.safetensors").read_bytes()[8:24]
             assert int(part.headers["content-range"].split("/")[1]) == size
             assert (await h.get(f"/runs/{run_id}/versions/4/files/../../etc/passwd", headers=auth)).status_code == 404
@@ -288,7 +315,11 @@ async def test_weights_service_publishes_serves_and_retains(nats_server, bus, pg
         await receiver.source.close()
         async with db.session() as s:
             rows = {r.version: r for r in (await s.scalars(select(PolicyVersion))).all()}
-        assert rows[0].deleted_at is not None and rows[5].deleted_at is None and rows[5].stored_bytes < rows[4].stored_bytes
+        assert (
+            rows[0].deleted_at is not None
+            and rows[5].deleted_at is None
+            and rows[5].stored_bytes < rows[4].stored_bytes
+        )
     finally:
         await p.stop_all()
         await db.close()
@@ -306,8 +337,12 @@ async def test_rollout_worker_down_for_three_versions_catches_up(nats_server, bu
     await p.start("weights")
     try:
         for v, folder in enumerate(staged[:2]):
-            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(
-                run_id=run_id, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder)))  # fmt: skip
+            await bus.publish(
+                c.WEIGHTS_CHECKPOINT,
+                c.PolicyCheckpoint(
+                    run_id=run_id, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder)
+                ),
+            )
         rollout = await p.start("rollout", instance="late-worker")
 
         async def serving(v):
@@ -317,17 +352,24 @@ async def test_rollout_worker_down_for_three_versions_catches_up(nats_server, bu
         await wait_for(lambda: serving(1), 60, 0.2, "worker serves v1")
         await p.stop(rollout)  # down while three versions go by
         for v in (2, 3, 4):
-            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(
-                run_id=run_id, version=v, step=v, parent_version=v - 1, path=str(staged[v])))  # fmt: skip
-        await wait_for(lambda: (run_dir / "weights" / run_id / "v000004" / "manifest.json").exists(), 30, 0.1, "v4 stored")
+            await bus.publish(
+                c.WEIGHTS_CHECKPOINT,
+                c.PolicyCheckpoint(run_id=run_id, version=v, step=v, parent_version=v - 1, path=str(staged[v])),
+            )
+        await wait_for(
+            lambda: (run_dir / "weights" / run_id / "v000004" / "manifest.json").exists(), 30, 0.1, "v4 stored"
+        )
         await p.start("rollout", instance="late-worker")
         await wait_for(lambda: serving(4), 60, 0.2, "worker caught up to v4")
         rebuilt = run_dir / "weights-cache" / "late-worker" / run_id / "v000004"
         assert same_files(rebuilt, staged[4])
         assert hashlib.sha256((rebuilt / "model.safetensors").read_bytes()).hexdigest() == next(
-            f.sha256 for f in c.WeightsManifest.model_validate_json((run_dir / "weights" / run_id / "v000004" / "manifest.json").read_text()).files
+            f.sha256
+            for f in c.WeightsManifest.model_validate_json(
+                (run_dir / "weights" / run_id / "v000004" / "manifest.json").read_text()
+            ).files
             if f.path == "model.safetensors"
-        )  # fmt: skip
+        )
     finally:
         await p.stop_all()
 
@@ -354,13 +396,21 @@ async def test_a_checkpoint_from_outside_the_staging_folder_is_refused(nats_serv
     await p.start("weights")
     try:
         for v, folder in enumerate([outside, run_dir / "staging" / ".." / ".." / "elsewhere", linking]):
-            await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=v, step=v, parent_version=None, path=str(folder)))
+            await bus.publish(
+                c.WEIGHTS_CHECKPOINT,
+                c.PolicyCheckpoint(run_id=run_id, version=v, step=v, parent_version=None, path=str(folder)),
+            )
         reasons = [(await dlq.next_msg(timeout=30)).headers[c.HDR_DLQ_REASON] for _ in range(3)]
         assert sum("is not inside the staging folder" in r for r in reasons) == 2, reasons
         assert any("model.safetensors, which is not a plain file" in r for r in reasons), reasons
         # the real staging folder still works
-        await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(good)))
-        await wait_for(lambda: (run_dir / "weights" / run_id / "v000000" / "manifest.json").exists(), 60, 0.1, "v0 stored")
+        await bus.publish(
+            c.WEIGHTS_CHECKPOINT,
+            c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(good)),
+        )
+        await wait_for(
+            lambda: (run_dir / "weights" / run_id / "v000000" / "manifest.json").exists(), 60, 0.1, "v0 stored"
+        )
         assert not (run_dir / "weights" / run_id / "v000002").exists()
     finally:
         await p.stop_all()

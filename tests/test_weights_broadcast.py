@@ -11,14 +11,13 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from harness import experiment, wait_for
+from test_weights import checkpoints
 
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run
 from kiln.shared.embedded import free_port
 from kiln.shared.weights.transport.torch_broadcast import BroadcastGroup, BroadcastSettings
-
-from harness import experiment, wait_for
-from test_weights import checkpoints
 
 
 def _tensors(version: int) -> dict[str, torch.Tensor]:
@@ -63,16 +62,24 @@ def test_broadcast_over_gloo():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL broadcast needs 2 CUDA GPUs (one per rank); none here, the same code runs over gloo above")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="NCCL broadcast needs 2 CUDA GPUs (one per rank); none here, the same code runs over gloo above",
+)
 def test_broadcast_over_nccl():
     assert _run(2, "nccl") == [(1, 1, True), (1, 2, True)]
 
 
 async def test_weights_service_broadcasts_to_a_rollout_engine(nats_server, bus, pg_url, run_dir, tmp_path):
     init = f"tcp://127.0.0.1:{free_port()}"
-    exp = experiment(run_dir, nats_server.url, pg_url, weights={
-        "transport": {"kind": "torch-broadcast", "init_method": init, "world_size": 2, "backend": "gloo"},
-    })  # fmt: skip
+    exp = experiment(
+        run_dir,
+        nats_server.url,
+        pg_url,
+        weights={
+            "transport": {"kind": "torch-broadcast", "init_method": init, "world_size": 2, "backend": "gloo"},
+        },
+    )
     from kiln.shared.config import load_config
     from kiln.weights.config import WeightsConfig
 
@@ -86,14 +93,19 @@ async def test_weights_service_broadcasts_to_a_rollout_engine(nats_server, bus, 
     def service(module: str, tag: str, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", module, "--config", str(exp), "--instance", tag, *extra],
-            stdout=open(run_dir / f"{tag}.log", "wb"), stderr=subprocess.STDOUT, env=env,
+            stdout=open(run_dir / f"{tag}.log", "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
         )
 
     weights = service("kiln.weights.main", "weights-b")
     rollout = service("kiln.rollout.main", "rollout-b", "--set", "weights.transport.rank=1")
     staged = checkpoints(tmp_path, 2)
     try:
-        await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(staged[0])))
+        await bus.publish(
+            c.WEIGHTS_CHECKPOINT,
+            c.PolicyCheckpoint(run_id=run_id, version=0, step=0, parent_version=None, path=str(staged[0])),
+        )
 
         async def serving(v: int, via: str) -> bool:
             try:
@@ -103,7 +115,10 @@ async def test_weights_service_broadcasts_to_a_rollout_engine(nats_server, bus, 
             return h.detail.get("version") == v and h.detail.get("weights_via") == via
 
         await wait_for(lambda: serving(0, "files"), 90, 0.3, "engine serves v0 (its files carry config and tokenizer)")
-        await bus.publish(c.WEIGHTS_CHECKPOINT, c.PolicyCheckpoint(run_id=run_id, version=1, step=1, parent_version=0, path=str(staged[1])))
+        await bus.publish(
+            c.WEIGHTS_CHECKPOINT,
+            c.PolicyCheckpoint(run_id=run_id, version=1, step=1, parent_version=0, path=str(staged[1])),
+        )
         await wait_for(lambda: serving(1, "broadcast"), 60, 0.3, "engine serves v1 from the broadcast")
         assert "broadcast version 1 to 1 engines" in (run_dir / "weights-b.log").read_text()
     finally:
@@ -119,20 +134,30 @@ async def test_a_feed_falls_back_to_files_and_never_goes_backwards(tmp_path):
     ``fallback_s``; tensors that arrive afterwards for it, and any older event, change nothing."""
     from opentelemetry import trace
     from safetensors.torch import load_file
+    from test_weights import published
 
+    from kiln.rollout.engine import TorchEngine
     from kiln.shared.weights.transport import TorchBroadcastTransport, make_feed
     from kiln.weights.store import VersionStore
 
-    from kiln.rollout.engine import TorchEngine
-    from test_weights import published
-
     staged = checkpoints(tmp_path, 3)
     store = VersionStore(tmp_path / "store", delta=False, keyframe_every=10)
-    stored = [store.put(p, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, p in enumerate(staged)]
+    stored = [
+        store.put(p, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, p in enumerate(staged)
+    ]
     served: list[tuple[int, str]] = []
-    t = TorchBroadcastTransport(kind="torch-broadcast", init_method="tcp://127.0.0.1:1", world_size=2, rank=1, fallback_s=0.2)
-    feed = make_feed(t, TorchEngine(), run_id="r", tracer=trace.get_tracer("t"), on_served=lambda v, via: served.append((v, via)),
-                     cache_dir=tmp_path / "cache", delta=False)  # fmt: skip
+    t = TorchBroadcastTransport(
+        kind="torch-broadcast", init_method="tcp://127.0.0.1:1", world_size=2, rank=1, fallback_s=0.2
+    )
+    feed = make_feed(
+        t,
+        TorchEngine(),
+        run_id="r",
+        tracer=trace.get_tracer("t"),
+        on_served=lambda v, via: served.append((v, via)),
+        cache_dir=tmp_path / "cache",
+        delta=False,
+    )
     await feed.on_published(published(stored[0], v=0).model_copy(update={"broadcast": True}))  # the first: files anyway
     assert served == [(0, "files")] and feed.tokenizer is not None
     await feed.on_published(published(stored[1], v=1).model_copy(update={"broadcast": True}))
@@ -151,11 +176,10 @@ def test_each_worker_gets_the_feed_its_transport_and_role_call_for(tmp_path):
     vllm-nccl needs an engine that accepts in-place transfers."""
     from opentelemetry import trace
 
+    from kiln.rollout.engine import TorchEngine
     from kiln.shared.weights.transport import FilesTransport, TorchBroadcastTransport, VllmNcclTransport, make_feed
     from kiln.shared.weights.transport.files import FilesFeed
     from kiln.shared.weights.transport.torch_broadcast import TorchBroadcastFeed
-
-    from kiln.rollout.engine import TorchEngine
 
     group = {"init_method": "tcp://127.0.0.1:1", "world_size": 2}
     kw = dict(run_id="r", tracer=trace.get_tracer("t"), on_served=lambda v, via: None, cache_dir=tmp_path, delta=False)

@@ -29,9 +29,13 @@ TOKENS = ("kiln-metrics", "kiln-weights-http", "kiln-dashboard")
 
 
 def _secret(name: str, data: dict[str, str]) -> dict:
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": name, "namespace": "kiln", "labels": {"app.kubernetes.io/part-of": "kiln"}},
-            "stringData": data}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": name, "namespace": "kiln", "labels": {"app.kubernetes.io/part-of": "kiln"}},
+        "stringData": data,
+    }
 
 
 def generate(database_url: str) -> list[dict]:

@@ -24,8 +24,9 @@ import io
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import nats
 import nats.errors
@@ -121,10 +122,14 @@ Handler = Callable[[M, Delivery], Awaitable[None]]
 
 
 _TRANSIENT = (
-    nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError, nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
     nats.js.errors.NoStreamResponseError,  # a cluster's stream between leaders answers nobody
-)  # fmt: skip
+)
 """Failures of a publish that a server coming back cures."""
 _CONSUMER_REPLICAS_EXCEED_STREAM = 10126
 """JetStream's error code while a stream scaled up has not taken its new replicas yet."""
@@ -156,7 +161,12 @@ class Bus:
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
-            except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.Error, OSError):
+            except (
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.ConnectionClosedError,
+                nats.errors.Error,
+                OSError,
+            ):
                 # The server is gone or going (a reset connection included): nothing left to flush.
                 await self.nc.close()
 
@@ -183,7 +193,8 @@ class Bus:
         for spec in c.CONSUMERS:
             await self._until_available(f"consumer {spec.durable}", lambda spec=spec: self.ensure_consumer(spec))
         self._obs = await self._until_available(
-            c.CLAIMS_BUCKET, lambda: self.object_store(c.CLAIMS_BUCKET, ttl_s=7 * 24 * 3600, description="claim-checked bodies")
+            c.CLAIMS_BUCKET,
+            lambda: self.object_store(c.CLAIMS_BUCKET, ttl_s=7 * 24 * 3600, description="claim-checked bodies"),
         )
 
     async def _jetstream_answers(self) -> None:
@@ -203,7 +214,9 @@ class Bus:
             try:
                 return await call()
             except (*_TRANSIENT, nats.js.errors.BadRequestError) as e:
-                scaling = isinstance(e, nats.js.errors.BadRequestError) and e.err_code == _CONSUMER_REPLICAS_EXCEED_STREAM
+                scaling = (
+                    isinstance(e, nats.js.errors.BadRequestError) and e.err_code == _CONSUMER_REPLICAS_EXCEED_STREAM
+                )
                 if isinstance(e, nats.js.errors.BadRequestError) and not scaling:
                     raise
                 if time.monotonic() + delay > give_up:
@@ -215,7 +228,9 @@ class Bus:
     async def object_store(self, bucket: str, *, ttl_s: float | None = None, description: str = ""):
         """The object store ``bucket``, created with ``nats.stream_replicas`` replicas when
         missing; one that exists with other replicas is scaled to them."""
-        return await ensure_object_store(self.js, bucket, replicas=self.settings.stream_replicas, ttl_s=ttl_s, description=description)
+        return await ensure_object_store(
+            self.js, bucket, replicas=self.settings.stream_replicas, ttl_s=ttl_s, description=description
+        )
 
     def ack_wait(self, spec: c.ConsumerSpec) -> float:
         return self.settings.ack_wait_s.get(spec.durable, spec.ack_wait_s)
@@ -327,7 +342,9 @@ class Bus:
         subs = []
         for sp in order:
             await self._until_available(f"consumer {sp.durable}", lambda sp=sp: self.ensure_consumer(sp))
-            subs.append((sp, await self.js.pull_subscribe_bind(durable=sp.durable, stream=sp.stream), self.ack_wait(sp)))
+            subs.append(
+                (sp, await self.js.pull_subscribe_bind(durable=sp.durable, stream=sp.stream), self.ack_wait(sp))
+            )
         if ready is not None:
             ready.set()
         running: set[asyncio.Task] = set()
@@ -343,11 +360,18 @@ class Bus:
                     last = n == len(candidates) - 1
                     try:
                         # Higher-priority consumers are polled briefly; the last one waits.
-                        msgs = await psub.fetch(batch=min(free, self.settings.fetch_batch), timeout=0.5 if last else 0.05)
-                    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                        msgs = await psub.fetch(
+                            batch=min(free, self.settings.fetch_batch), timeout=0.5 if last else 0.05
+                        )
+                    except (TimeoutError, nats.errors.TimeoutError):
                         continue
-                    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, OSError,
-                            nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as e:
+                    except (
+                        nats.errors.ConnectionClosedError,
+                        nats.errors.ConnectionReconnectingError,
+                        OSError,
+                        nats.errors.NoRespondersError,
+                        nats.js.errors.ServiceUnavailableError,
+                    ) as e:
                         # Reconnecting, or (a cluster) the consumer's leader moving to another node.
                         log.warning("fetch from %s failed (%s); retrying", sp.durable, e)
                         await asyncio.sleep(0.5)
@@ -417,7 +441,10 @@ class Bus:
             log.exception("handler for %s failed (delivery %d/%d)", m.subject, delivery.num_delivered, spec.max_deliver)
             if delivery.num_delivered >= spec.max_deliver:
                 await self.dead_letter(
-                    m.subject, m.data, m.headers, f"handler failed {delivery.num_delivered} times: {type(e).__name__}: {e}"
+                    m.subject,
+                    m.data,
+                    m.headers,
+                    f"handler failed {delivery.num_delivered} times: {type(e).__name__}: {e}",
                 )
                 await delivery.term()
             else:
@@ -432,7 +459,7 @@ class Bus:
             try:
                 await asyncio.wait_for(delivery._done.wait(), period)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 await delivery.msg.in_progress()
@@ -484,17 +511,19 @@ class Bus:
 
     # --- request / reply --------------------------------------------------------
 
-    async def request(
-        self, subject: str, msg: c.Message, reply_model: type[R], *, timeout: float | None = None
-    ) -> R:
+    async def request(self, subject: str, msg: c.Message, reply_model: type[R], *, timeout: float | None = None) -> R:
         hdrs = inject_headers({c.HDR_TYPE: type(msg).__name__})
         data = await self._claim_if_large(f"request/{subject}", msg.to_bytes(), hdrs)
         try:
-            resp = await self.nc.request(subject, data, timeout=timeout or self.settings.request_timeout_s, headers=hdrs)
+            resp = await self.nc.request(
+                subject, data, timeout=timeout or self.settings.request_timeout_s, headers=hdrs
+            )
         except nats.errors.NoRespondersError as e:
             raise RemoteError("no_responders", f"nothing is serving {subject}") from e
         except nats.errors.TimeoutError as e:
-            raise RemoteError("timeout", f"{subject} did not answer within {timeout or self.settings.request_timeout_s}s") from e
+            raise RemoteError(
+                "timeout", f"{subject} did not answer within {timeout or self.settings.request_timeout_s}s"
+            ) from e
         finally:
             if c.HDR_CLAIM in hdrs:
                 await self._unclaim(hdrs[c.HDR_CLAIM])

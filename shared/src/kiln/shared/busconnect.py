@@ -107,19 +107,22 @@ async def open_connection(settings: NatsSettings, service: str) -> nats.NATS:
         nc = nats.NATS()
         try:
             # A server that refuses the credential makes the client retry forever: bounded here.
-            await asyncio.wait_for(nc.connect(
-                name=service,
-                connect_timeout=min(2.0, settings.connect_timeout_s),
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                allow_reconnect=True,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                error_cb=on_error,
-                **opts,
-            ), max(0.5, deadline - time.monotonic()) + 2.0)  # fmt: skip
+            await asyncio.wait_for(
+                nc.connect(
+                    name=service,
+                    connect_timeout=min(2.0, settings.connect_timeout_s),
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    allow_reconnect=True,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    error_cb=on_error,
+                    **opts,
+                ),
+                max(0.5, deadline - time.monotonic()) + 2.0,
+            )
             break
-        except (OSError, nats.errors.NoServersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, nats.errors.NoServersError, nats.errors.TimeoutError) as e:
             if refused or time.monotonic() > deadline:
                 await nc.close()
                 if isinstance(e, ssl.SSLError):
@@ -127,8 +130,10 @@ async def open_connection(settings: NatsSettings, service: str) -> nats.NATS:
                 if refused:
                     why = f"the server refused the credential ({refused[-1]})"
                 elif tls_failed:
-                    why = (f"TLS failed ({tls_failed[-1]}): is nats.tls_ca_file the CA that signed the server's "
-                           "certificate, and does the certificate name the URL's host?")
+                    why = (
+                        f"TLS failed ({tls_failed[-1]}): is nats.tls_ca_file the CA that signed the server's "
+                        "certificate, and does the certificate name the URL's host?"
+                    )
                 else:
                     why = str(e) or type(e).__name__
                 raise ConnectionError(f"cannot connect to NATS at {describe(settings)}: {why}") from e

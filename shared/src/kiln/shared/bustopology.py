@@ -50,7 +50,8 @@ async def ensure_object_store(js, bucket: str, *, replicas: int = 1, ttl_s: floa
         except nats.js.errors.BucketNotFoundError:
             try:
                 return await js.create_object_store(
-                    bucket, config=api.ObjectStoreConfig(ttl=ttl_s or None, description=description or None, replicas=replicas)
+                    bucket,
+                    config=api.ObjectStoreConfig(ttl=ttl_s or None, description=description or None, replicas=replicas),
                 )
             except nats.js.errors.BadRequestError as e:
                 if not _exists(e):
@@ -70,6 +71,8 @@ def replicas_hint(e: Exception, replicas: int) -> Exception:
     """JetStream's refusal, with what usually causes it when replicas are involved."""
     text = str(e).lower()
     if replicas > 1 and ("replicas" in text or "insufficient" in text or "clustered" in text):
-        return RuntimeError(f"{e}: nats.replicas (or nats.cluster_size) is {replicas}; does the NATS cluster have that many "
-                            "JetStream nodes? A single nats-server takes replicas = 1 only")  # fmt: skip
+        return RuntimeError(
+            f"{e}: nats.replicas (or nats.cluster_size) is {replicas}; does the NATS cluster have that many "
+            "JetStream nodes? A single nats-server takes replicas = 1 only"
+        )
     return e

@@ -1,19 +1,19 @@
 """The ``kiln`` command.
 
-    kiln run [--config FILE] [--set section.key=value ...]   the whole platform locally
-    kiln chaos [--config FILE] [--seed N] [--kills N] [--targets ...] [--baseline]   kill processes of a run, check its invariants
-    kiln config show [--service NAME] [--config FILE] [--set ...]
-    kiln config docs                                         configuration reference (markdown)
-    kiln db upgrade [--url URL]                              apply migrations
-    kiln tasks list [--suite SPEC]
-    kiln tasks validate [--suite SPEC] [--task ID ...] [--jobs N] [--write-valid OUT.jsonl]   run each task's tests
-    kiln tasks synth --package NAME==VERSION ... | --repo DIR --out DIR [--max-per-package N] [--seed S]
-    kiln tasks import --format F FILE.jsonl --repos DIR [--images DIR] --out DIR   public sets (docs/tasks.md)
-    kiln bus credentials [--out DIR] [--tls]                 NATS passwords (and TLS) as compose secrets
-    kiln topology                                            streams, consumers, subjects
-    kiln health --file FILE [--max-age S]                    container healthcheck
-    kiln dashboard [RUN_DIR] [--db URL] [--port N]           web dashboard of runs
-    kiln eval RUN_DIR [--versions 0,3] [--set eval.samples=8]  held-out pass rate of versions
+kiln run [--config FILE] [--set section.key=value ...]   the whole platform locally
+kiln chaos [--config FILE] [--seed N] [--kills N] [--targets ...] [--baseline]   kill processes of a run, check its invariants
+kiln config show [--service NAME] [--config FILE] [--set ...]
+kiln config docs                                         configuration reference (markdown)
+kiln db upgrade [--url URL]                              apply migrations
+kiln tasks list [--suite SPEC]
+kiln tasks validate [--suite SPEC] [--task ID ...] [--jobs N] [--write-valid OUT.jsonl]   run each task's tests
+kiln tasks synth --package NAME==VERSION ... | --repo DIR --out DIR [--max-per-package N] [--seed S]
+kiln tasks import --format F FILE.jsonl --repos DIR [--images DIR] --out DIR   public sets (docs/tasks.md)
+kiln bus credentials [--out DIR] [--tls]                 NATS passwords (and TLS) as compose secrets
+kiln topology                                            streams, consumers, subjects
+kiln health --file FILE [--max-age S]                    container healthcheck
+kiln dashboard [RUN_DIR] [--db URL] [--port N]           web dashboard of runs
+kiln eval RUN_DIR [--versions 0,3] [--set eval.samples=8]  held-out pass rate of versions
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def cmd_tasks(a) -> int:
     suite = load_suite(a.suite)
     if a.action == "list":
         for t in suite.tasks:
-            print(f"{t.id:24s} {t.split:8s} {len(t.fail_to_pass)} f2p {len(t.pass_to_pass)} p2p  {t.problem_statement[:60]}")
+            print(
+                f"{t.id:24s} {t.split:8s} {len(t.fail_to_pass)} f2p {len(t.pass_to_pass)} p2p  {t.problem_statement[:60]}"
+            )
     else:
         print(f"{len(suite)} valid tasks in {suite.source}")
     return 0
@@ -163,9 +165,11 @@ def cmd_tasks_validate(a) -> int:
     verdicts = asyncio.run(validate_suite(suite, _environment_cache(a.root), a.task or None, a.jobs, on_verdict=show))
     bad = [v for v in verdicts if not v.ok]
     envs = {v.environment_error for v in bad if v.environment_error}
-    print(f"{len(verdicts)} tasks of {suite.source}: {len(verdicts) - len(bad)} valid, {len(bad)} rejected"
-          + (f" ({len(envs)} environment{'s' if len(envs) != 1 else ''} failed to build)" if envs else "")
-          + f" in {time.monotonic() - t0:.1f}s")
+    print(
+        f"{len(verdicts)} tasks of {suite.source}: {len(verdicts) - len(bad)} valid, {len(bad)} rejected"
+        + (f" ({len(envs)} environment{'s' if len(envs) != 1 else ''} failed to build)" if envs else "")
+        + f" in {time.monotonic() - t0:.1f}s"
+    )
     if a.write_valid:
         path = write_valid(suite, [v.task_id for v in verdicts if v.ok], a.write_valid)
         print(f"valid tasks written to {path}")
@@ -188,14 +192,25 @@ def cmd_tasks_synth(a) -> int:
         print("kiln tasks synth: name at least one --package NAME==VERSION or --repo DIR", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    reports = asyncio.run(synthesize(
-        sources, Path(a.out), _environment_cache(a.root), max_per_package=a.max_per_package, seed=a.seed,
-        held_out_fraction=a.held_out_fraction, jobs=a.jobs, interpreter=a.interpreter,
-        say=lambda s: print(s, flush=True)))
+    reports = asyncio.run(
+        synthesize(
+            sources,
+            Path(a.out),
+            _environment_cache(a.root),
+            max_per_package=a.max_per_package,
+            seed=a.seed,
+            held_out_fraction=a.held_out_fraction,
+            jobs=a.jobs,
+            interpreter=a.interpreter,
+            say=lambda s: print(s, flush=True),
+        )
+    )
     for r in reports:
         splits = ", ".join(f"{k} {v}" for k, v in r.by_split.items())
-        print(f"{r.source}\t{r.kept} tasks ({splits}) from {r.candidates} candidates, {r.passing} passing tests, "
-              f"{r.seconds:.0f}s" + (f"\tFAILED: {r.error}" if r.error else ""))
+        print(
+            f"{r.source}\t{r.kept} tasks ({splits}) from {r.candidates} candidates, {r.passing} passing tests, "
+            f"{r.seconds:.0f}s" + (f"\tFAILED: {r.error}" if r.error else "")
+        )
     print(f"suite written to {Path(a.out) / 'suite.toml'} in {time.monotonic() - t0:.0f}s")
     return 1 if any(r.error or not r.kept for r in reports) else 0
 
@@ -210,13 +225,23 @@ def topology_markdown() -> str:
         subjects = ", ".join(f"`{x}`" for x in s.subjects)
         msgs = ", ".join(dict.fromkeys(msg_of.get(x, "raw bytes + reason headers") for x in s.subjects))
         out.append(f"| `{s.name}` | {s.retention.value} | {subjects} | {msgs} | {s.description} |")
-    out += ["", "| durable consumer | stream | filter | ack wait | max deliver | used by |", "|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "| durable consumer | stream | filter | ack wait | max deliver | used by |",
+        "|---|---|---|---|---|---|",
+    ]
     for k in c.CONSUMERS:
-        out.append(f"| `{k.durable}` | `{k.stream}` | `{k.filter_subject}` | {k.ack_wait_s:g} s | {k.max_deliver} | {k.description} |")
+        out.append(
+            f"| `{k.durable}` | `{k.stream}` | `{k.filter_subject}` | {k.ack_wait_s:g} s | {k.max_deliver} | {k.description} |"
+        )
     out += ["", "| request/reply subject | request -> reply | served by |", "|---|---|---|"]
-    out.append(f"| `{c.ENVPOOL_CREATE}` | SandboxCreate -> SandboxCreated | any env-pool node (queue group `{c.ENVPOOL_QUEUE}`) |")
+    out.append(
+        f"| `{c.ENVPOOL_CREATE}` | SandboxCreate -> SandboxCreated | any env-pool node (queue group `{c.ENVPOOL_QUEUE}`) |"
+    )
     for op, (req, rep) in c.ENVPOOL_NODE_MESSAGES.items():
-        out.append(f"| `kiln.envpool.node.<node_id>.{op}` | {req.__name__} -> {rep.__name__} | the node that owns the sandbox |")
+        out.append(
+            f"| `kiln.envpool.node.<node_id>.{op}` | {req.__name__} -> {rep.__name__} | the node that owns the sandbox |"
+        )
     out.append(f"| `{c.HEALTH_PREFIX}.<service>` | HealthProbe -> HealthReply | every instance of the service |")
     return "\n".join(out) + "\n"
 
@@ -230,8 +255,12 @@ def cmd_topology(a) -> int:
     for s in c.STREAMS:
         print(f"stream {s.name:18s} {s.retention.value:9s} {', '.join(s.subjects)}")
     for k in c.CONSUMERS:
-        print(f"consumer {k.durable:16s} on {k.stream:18s} filter {k.filter_subject} ack_wait {k.ack_wait_s}s max_deliver {k.max_deliver}")
-    print(f"request/reply {c.ENVPOOL_CREATE} (queue {c.ENVPOOL_QUEUE}), kiln.envpool.node.<node>.{{{','.join(sorted(c.ENVPOOL_NODE_OPS))}}}, {c.HEALTH_PREFIX}.<service>")
+        print(
+            f"consumer {k.durable:16s} on {k.stream:18s} filter {k.filter_subject} ack_wait {k.ack_wait_s}s max_deliver {k.max_deliver}"
+        )
+    print(
+        f"request/reply {c.ENVPOOL_CREATE} (queue {c.ENVPOOL_QUEUE}), kiln.envpool.node.<node>.{{{','.join(sorted(c.ENVPOOL_NODE_OPS))}}}, {c.HEALTH_PREFIX}.<service>"
+    )
     return 0
 
 
@@ -328,7 +357,11 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("run", help="run the whole platform locally (embedded NATS and database)")
     _config_args(r)
     r.set_defaults(fn=cmd_run)
-    ch = sub.add_parser("chaos", add_help=False, help="a local run with processes SIGKILLed at random moments, then its invariants checked")
+    ch = sub.add_parser(
+        "chaos",
+        add_help=False,
+        help="a local run with processes SIGKILLed at random moments, then its invariants checked",
+    )
     ch.add_argument("args", nargs=argparse.REMAINDER, help="see `kiln chaos --help`")
     ch.set_defaults(fn=cmd_chaos)
     cfg = sub.add_parser("config", help="inspect configuration").add_subparsers(dest="action", required=True)
@@ -350,16 +383,25 @@ def main(argv: list[str] | None = None) -> None:
     tv.add_argument("--suite", default="builtin")
     tv.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
     tv.add_argument("--jobs", type=int, default=2, help="tasks checked at once")
-    tv.add_argument("--write-valid", default="", metavar="OUT.jsonl", help="write the valid tasks there (and a suite TOML beside it when they name environments)")
+    tv.add_argument(
+        "--write-valid",
+        default="",
+        metavar="OUT.jsonl",
+        help="write the valid tasks there (and a suite TOML beside it when they name environments)",
+    )
     tv.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments_root)")
     tv.set_defaults(fn=cmd_tasks)
     ts = t.add_parser("synth", help="synthesize tasks from real packages' own tests (SWE-smith style)")
-    ts.add_argument("--package", action="append", default=[], metavar="NAME==VERSION", help="an sdist from the index (repeatable)")
+    ts.add_argument(
+        "--package", action="append", default=[], metavar="NAME==VERSION", help="an sdist from the index (repeatable)"
+    )
     ts.add_argument("--repo", action="append", default=[], metavar="DIR", help="a local package folder (repeatable)")
     ts.add_argument("--out", required=True, help="output folder (suite.toml + tasks.jsonl)")
     ts.add_argument("--max-per-package", type=int, default=6)
     ts.add_argument("--seed", type=int, default=0)
-    ts.add_argument("--held-out-fraction", type=float, default=0.3, help="share of each package's modules held out (split heldout)")
+    ts.add_argument(
+        "--held-out-fraction", type=float, default=0.3, help="share of each package's modules held out (split heldout)"
+    )
     ts.add_argument("--jobs", type=int, default=2, help="candidate test runs at once")
     ts.add_argument("--interpreter", default="python3.11", help="the environments' venv interpreter")
     ts.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments_root)")
@@ -375,15 +417,23 @@ def main(argv: list[str] | None = None) -> None:
     ti.add_argument("--image-python", default="", help="the interpreter tests run with on an image base")
     ti.add_argument("--split", default="train", help="the tasks' split")
     ti.add_argument("--timeout-s", type=float, default=300.0, help="the tasks' test timeout")
-    ti.add_argument("--exclude-newer", default="auto", metavar="auto|commit|none|DATE",
-                    help="resolve each environment's packages as of: the instance's created_at, else its commit's date "
-                         "(auto), the commit's date, no cut-off, or this date / UTC timestamp")
+    ti.add_argument(
+        "--exclude-newer",
+        default="auto",
+        metavar="auto|commit|none|DATE",
+        help="resolve each environment's packages as of: the instance's created_at, else its commit's date "
+        "(auto), the commit's date, no cut-off, or this date / UTC timestamp",
+    )
     ti.set_defaults(fn=cmd_tasks)
     bus = sub.add_parser("bus", help="the bus's credentials").add_subparsers(dest="action", required=True)
-    bc = bus.add_parser("credentials", help="write per-service NATS passwords and the servers' authorization block (compose secrets)")
+    bc = bus.add_parser(
+        "credentials", help="write per-service NATS passwords and the servers' authorization block (compose secrets)"
+    )
     bc.add_argument("--out", default="deploy/secrets", help="folder (mode 600 files; existing passwords are kept)")
     bc.add_argument("--tls", action="store_true", help="also a private CA and the NATS servers' certificate")
-    bc.add_argument("--hosts", default="nats,nats-1,nats-2,nats-3,localhost,127.0.0.1", help="names the certificate covers")
+    bc.add_argument(
+        "--hosts", default="nats,nats-1,nats-2,nats-3,localhost,127.0.0.1", help="names the certificate covers"
+    )
     bc.set_defaults(fn=cmd_bus_credentials)
     topo = sub.add_parser("topology", help="print streams, consumers and subjects")
     topo.add_argument("--markdown", action="store_true", help="as the tables of docs/architecture.md")
@@ -395,17 +445,29 @@ def main(argv: list[str] | None = None) -> None:
     ev = sub.add_parser("eval", help="evaluate stored policy versions of a run on its held-out split")
     ev.add_argument("run_dir", help="a run folder (runs/<run-id>)")
     ev.add_argument("--versions", default="all", help="comma-separated versions, or all (default)")
-    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="e.g. eval.samples=8, eval.split=heldout, eval.k=[1,8]")
+    ev.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="e.g. eval.samples=8, eval.split=heldout, eval.k=[1,8]",
+    )
     ev.set_defaults(fn=cmd_eval)
     d = sub.add_parser("dashboard", help="serve the web dashboard of a run folder or a database")
-    d.add_argument("run_dir", nargs="?", help="a run folder (runs/<run-id>); its database is opened (embedded PostgreSQL restarted)")
+    d.add_argument(
+        "run_dir",
+        nargs="?",
+        help="a run folder (runs/<run-id>); its database is opened (embedded PostgreSQL restarted)",
+    )
     d.add_argument("--db", help="database URL instead of a run folder (postgresql://... or sqlite:///...)")
     d.add_argument("--host", default="127.0.0.1", help="bind address; anything beyond loopback needs --token")
     d.add_argument("--port", type=int, default=8700)
     d.add_argument("--token", default="", help="bearer token every request must carry (or KILN_DASHBOARD_TOKEN)")
     d.set_defaults(fn=cmd_dashboard)
-    env = sub.add_parser("env", help="environments (see docs/environments.md)").add_subparsers(dest="action", required=True)
+    env = sub.add_parser("env", help="environments (see docs/environments.md)").add_subparsers(
+        dest="action", required=True
+    )
     eb = env.add_parser("build", help="build the environments of a spec file into this node's cache")
     eb.add_argument("file", help="TOML or JSON file of [[environments]] specs")
     eb.add_argument("--name", action="append", default=[], help="only this environment (repeatable)")

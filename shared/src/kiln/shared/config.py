@@ -17,8 +17,10 @@ import contextvars
 import json
 import os
 import tomllib
+import types
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticUndefined
@@ -519,7 +521,7 @@ def describe(cls: type[BaseModel]) -> list[tuple[str, str, Any, str]]:
             for sub, typ, default, desc in describe(ann):
                 rows.append((f"{name}.{sub}", typ, default, desc))
             continue
-        if f.discriminator and get_origin(ann) is Union:
+        if f.discriminator and get_origin(ann) in (Union, types.UnionType):
             rows += _describe_union(name, f, get_args(ann))
             continue
         default = f.get_default(call_default_factory=True)
@@ -536,7 +538,14 @@ def _describe_union(name: str, f, variants: tuple[type[BaseModel], ...]) -> list
     default = f.get_default(call_default_factory=True)
     kinds = [v.model_fields[key].annotation.__args__[0] for v in variants]
     first = variants[0].model_fields[key]
-    rows = [(f"{name}.{key}", " \\| ".join(f'"{k}"' for k in kinds), getattr(default, key), f"{f.description or ''} {first.description or ''}".strip())]
+    rows = [
+        (
+            f"{name}.{key}",
+            " \\| ".join(f'"{k}"' for k in kinds),
+            getattr(default, key),
+            f"{f.description or ''} {first.description or ''}".strip(),
+        )
+    ]
     seen: dict[str, list] = {}
     for kind, v in zip(kinds, variants):
         for sub, typ, d, desc in describe(v):

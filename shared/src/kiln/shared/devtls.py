@@ -33,13 +33,17 @@ def write_tls(out: Path, hosts: tuple[str, ...] = DEFAULT_HOSTS, days: int = 825
         raise RuntimeError("TLS material needs the cryptography package: pip install cryptography") from e
 
     out.mkdir(parents=True, exist_ok=True)
-    ca_crt, ca_key_f, crt, key_f = (out / n for n in ("nats-ca.crt", "nats-ca.key", "nats-server.crt", "nats-server.key"))
+    ca_crt, ca_key_f, crt, key_f = (
+        out / n for n in ("nats-ca.crt", "nats-ca.key", "nats-server.crt", "nats-server.key")
+    )
     if all(p.is_file() for p in (ca_crt, ca_key_f, crt, key_f)):
         return [ca_crt, ca_key_f, crt, key_f]
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
 
     def pem_key(k) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     if ca_crt.is_file() and ca_key_f.is_file():
         ca = x509.load_pem_x509_certificate(ca_crt.read_bytes())
@@ -47,15 +51,32 @@ def write_tls(out: Path, hosts: tuple[str, ...] = DEFAULT_HOSTS, days: int = 825
     else:
         ca_key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kiln NATS CA")])
-        ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
-              .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-              .not_valid_after(now + dt.timedelta(days=days))
-              .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-              .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                           key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                           encipher_only=False, decipher_only=False), critical=True)
-              .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-              .sign(ca_key, hashes.SHA256()))  # fmt: skip
+        ca = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         _write(ca_key_f, pem_key(ca_key), private=True)
         _write(ca_crt, ca.public_bytes(serialization.Encoding.PEM))
     sans: list[x509.GeneralName] = []
@@ -65,13 +86,21 @@ def write_tls(out: Path, hosts: tuple[str, ...] = DEFAULT_HOSTS, days: int = 825
         except ValueError:
             sans.append(x509.DNSName(h))
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     _write(key_f, pem_key(key), private=True)
     _write(crt, cert.public_bytes(serialization.Encoding.PEM))
     return [ca_crt, ca_key_f, crt, key_f]

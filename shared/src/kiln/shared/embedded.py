@@ -59,8 +59,14 @@ def nats_server_binary() -> str:
 class NatsServer:
     """``nats-server -js`` on 127.0.0.1 with its store in ``store_dir``."""
 
-    def __init__(self, store_dir: str | os.PathLike, port: int | None = None, log_file: str | None = None,
-                 config_file: str | os.PathLike | None = None, name: str = "nats-server"):
+    def __init__(
+        self,
+        store_dir: str | os.PathLike,
+        port: int | None = None,
+        log_file: str | None = None,
+        config_file: str | os.PathLike | None = None,
+        name: str = "nats-server",
+    ):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = log_file
@@ -83,8 +89,17 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [nats_server_binary(), *(["-c", str(self.config_file)] if self.config_file else []),
-             "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
+            [
+                nats_server_binary(),
+                *(["-c", str(self.config_file)] if self.config_file else []),
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-sd",
+                str(self.store_dir),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -120,8 +135,14 @@ class NatsCluster:
     port and store and catches up from its peers.
     """
 
-    def __init__(self, base_dir: str | os.PathLike, size: int = 3, log_dir: str | os.PathLike | None = None,
-                 config_file: str | os.PathLike | None = None, cluster_name: str = "kiln"):
+    def __init__(
+        self,
+        base_dir: str | os.PathLike,
+        size: int = 3,
+        log_dir: str | os.PathLike | None = None,
+        config_file: str | os.PathLike | None = None,
+        cluster_name: str = "kiln",
+    ):
         if size < 3 or size % 2 == 0:
             raise ValueError(f"a JetStream cluster needs an odd number of nodes, at least 3 (got {size})")
         self.base_dir = Path(base_dir)
@@ -138,15 +159,19 @@ class NatsCluster:
             conf.chmod(0o600)  # the route password and the clients' credentials are in it
             conf.write_text(self._config(n, auth))
             log_file = str(Path(log_dir) / f"{n}.log") if log_dir else None
-            self.nodes.append(NatsServer(self.base_dir / n, log_file=log_file, config_file=conf, name=f"nats-server {n}"))
+            self.nodes.append(
+                NatsServer(self.base_dir / n, log_file=log_file, config_file=conf, name=f"nats-server {n}")
+            )
 
     def _config(self, name: str, auth: str) -> str:
         cred = f"{self.route_user}:{self.route_password}@"
         routes = ", ".join(f'"nats-route://{cred}127.0.0.1:{p}"' for p in self.route_ports.values())
-        return (f"server_name: {name}\n{auth}\n"
-                f"cluster {{\n  name: {self.cluster_name}\n  listen: 127.0.0.1:{self.route_ports[name]}\n"
-                f'  authorization {{ user: {self.route_user}, password: "{self.route_password}" }}\n'
-                f"  routes: [{routes}]\n}}\n")  # fmt: skip
+        return (
+            f"server_name: {name}\n{auth}\n"
+            f"cluster {{\n  name: {self.cluster_name}\n  listen: 127.0.0.1:{self.route_ports[name]}\n"
+            f'  authorization {{ user: {self.route_user}, password: "{self.route_password}" }}\n'
+            f"  routes: [{routes}]\n}}\n"
+        )
 
     @property
     def urls(self) -> list[str]:
@@ -220,7 +245,9 @@ class PostgresServer:
             try:
                 pw = pwd.getpwnam("postgres")
             except KeyError as e:
-                raise RuntimeError("running as root needs a `postgres` system user (scripts/setup.sh creates it)") from e
+                raise RuntimeError(
+                    "running as root needs a `postgres` system user (scripts/setup.sh creates it)"
+                ) from e
             if not self._reachable():
                 self.base = Path(tempfile.mkdtemp(prefix="kiln-pg-"))
                 (self.requested / "LOCATION").write_text(str(self.base))
@@ -233,7 +260,9 @@ class PostgresServer:
             if r.returncode:
                 raise RuntimeError(f"initdb failed: {r.stderr.strip() or r.stdout.strip()}")
         opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.base} -c fsync=off -c max_connections=200"
-        r = self._run("pg_ctl", "-D", str(data), "-w", "-t", "30", "-l", str(self.base / "postgres.log"), "-o", opts, "start")
+        r = self._run(
+            "pg_ctl", "-D", str(data), "-w", "-t", "30", "-l", str(self.base / "postgres.log"), "-o", opts, "start"
+        )
         if r.returncode:
             raise RuntimeError(f"pg_ctl start failed: {r.stderr.strip() or r.stdout.strip()}")
         self._started = True

@@ -25,8 +25,9 @@ import re
 import stat
 import subprocess
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -75,7 +76,7 @@ class OciBase(_Spec):
     """Path of the archive (relative paths: to the spec file's folder)."""
 
 
-BaseSpec = Annotated[Union[HostBase, DebianBase, OciBase], Field(discriminator="kind")]
+BaseSpec = Annotated[HostBase | DebianBase | OciBase, Field(discriminator="kind")]
 
 
 class PythonSpec(_Spec):
@@ -98,8 +99,9 @@ class PythonSpec(_Spec):
     @classmethod
     def _moment(cls, v: str | None) -> str | None:
         if v is not None and not _MOMENT.fullmatch(v):
-            raise ValueError(f"exclude_newer {v!r} is neither a date (2024-03-01) nor a UTC timestamp "
-                             "(2024-03-01T12:00:00Z)")
+            raise ValueError(
+                f"exclude_newer {v!r} is neither a date (2024-03-01) nor a UTC timestamp (2024-03-01T12:00:00Z)"
+            )
         return v
 
     @model_serializer(mode="wrap")
@@ -148,7 +150,7 @@ class SdistRepository(_Spec):
 
 
 RepositorySpec = Annotated[
-    Union[DirRepository, GitRepository, ArchiveRepository, SdistRepository], Field(discriminator="kind")
+    DirRepository | GitRepository | ArchiveRepository | SdistRepository, Field(discriminator="kind")
 ]
 
 
@@ -264,8 +266,9 @@ def resolve_git_commit(url: str, rev: str) -> str:
     if _FULL_SHA.fullmatch(rev):
         return rev
     if Path(url).exists():
-        out = subprocess.run(["git", "-C", url, "rev-parse", "--verify", f"{rev}^{{commit}}"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "-C", url, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True, text=True
+        )
         if out.returncode == 0:
             return out.stdout.strip()
         raise ValueError(f"git: {rev!r} is no commit of {url}: {out.stderr.strip()}")

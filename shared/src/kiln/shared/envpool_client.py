@@ -18,7 +18,8 @@ to its call's own timeout.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
@@ -75,24 +76,30 @@ class EnvPoolClient:
         return await self.bus.request(c.envpool_node_subject(ref.node_id, op), msg, reply, timeout=self.timeout_s)
 
     async def exec(self, ref: c.SandboxRef, command: str, timeout_s: float) -> c.ExecResult:
-        return await self._watched(ref, self.bus.request(
-            c.envpool_node_subject(ref.node_id, "exec"),
-            c.SandboxExec(sandbox_id=ref.sandbox_id, command=command, timeout_s=timeout_s),
-            c.ExecResult,
-            timeout=timeout_s + REPLY_MARGIN_S,
-        ))  # fmt: skip
+        return await self._watched(
+            ref,
+            self.bus.request(
+                c.envpool_node_subject(ref.node_id, "exec"),
+                c.SandboxExec(sandbox_id=ref.sandbox_id, command=command, timeout_s=timeout_s),
+                c.ExecResult,
+                timeout=timeout_s + REPLY_MARGIN_S,
+            ),
+        )
 
     async def tools(self, ref: c.SandboxRef, calls: list[c.ToolCall], timeout_s: float = 120.0) -> list[c.ToolResult]:
         """Run a batch within ``timeout_s``: the node cuts each command to what is left of it
         and answers the calls it leaves no time for with errors (``SandboxTools.timeout_s``),
         so a slow command is an observation; the request itself waits ``REPLY_MARGIN_S``
         longer, for the node's answer to arrive."""
-        r = await self._watched(ref, self.bus.request(
-            c.envpool_node_subject(ref.node_id, "tools"),
-            c.SandboxTools(sandbox_id=ref.sandbox_id, calls=calls, timeout_s=timeout_s),
-            c.ToolResults,
-            timeout=timeout_s + REPLY_MARGIN_S,
-        ))  # fmt: skip
+        r = await self._watched(
+            ref,
+            self.bus.request(
+                c.envpool_node_subject(ref.node_id, "tools"),
+                c.SandboxTools(sandbox_id=ref.sandbox_id, calls=calls, timeout_s=timeout_s),
+                c.ToolResults,
+                timeout=timeout_s + REPLY_MARGIN_S,
+            ),
+        )
         return r.results
 
     async def _watched(self, ref: c.SandboxRef, call: Awaitable[T]) -> T:
@@ -113,19 +120,27 @@ class EnvPoolClient:
         stats = None
         for attempt in range(2):  # the second rules out a subscription being renewed after a reconnect
             try:
-                stats = await self.bus.request(c.envpool_node_subject(ref.node_id, "stats"), c.NodeStatsRequest(), c.NodeStats,
-                                               timeout=self.probe_s)  # fmt: skip
+                stats = await self.bus.request(
+                    c.envpool_node_subject(ref.node_id, "stats"),
+                    c.NodeStatsRequest(),
+                    c.NodeStats,
+                    timeout=self.probe_s,
+                )
                 break
             except RemoteError as e:
                 if e.code != "no_responders":
                     return  # slow or busy: the call's own timeout decides
                 if attempt:
-                    raise RemoteError("node_gone", f"env-pool node {ref.node_id} died with sandbox {ref.sandbox_id}") from None
+                    raise RemoteError(
+                        "node_gone", f"env-pool node {ref.node_id} died with sandbox {ref.sandbox_id}"
+                    ) from None
                 await asyncio.sleep(1.0)
             except Exception:  # the bus itself is reconnecting: not evidence about the node
                 return
         if stats is not None and ref.boot and stats.boot and stats.boot != ref.boot:
-            raise RemoteError("node_restarted", f"env-pool node {ref.node_id} restarted: sandbox {ref.sandbox_id} died with it")
+            raise RemoteError(
+                "node_restarted", f"env-pool node {ref.node_id} restarted: sandbox {ref.sandbox_id} died with it"
+            )
 
     async def destroy(self, ref: c.SandboxRef) -> bool:
         return (await self._node(ref, "destroy", c.SandboxDestroy(sandbox_id=ref.sandbox_id))).existed

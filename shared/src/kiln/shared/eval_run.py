@@ -18,12 +18,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from pydantic import Field
 from sqlalchemy import select
 
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
-from pydantic import Field
-
 from kiln.shared.config import (
     EvalSettings,
     NatsSettings,
@@ -50,7 +49,11 @@ def _say(msg: str) -> None:
 
 async def _weights(db: Database, run_id: str, versions: list[int] | None) -> list[c.WeightsPublished]:
     async with db.session() as s:
-        q = select(PolicyVersion).where(PolicyVersion.run_id == run_id, PolicyVersion.deleted_at.is_(None)).order_by(PolicyVersion.version)
+        q = (
+            select(PolicyVersion)
+            .where(PolicyVersion.run_id == run_id, PolicyVersion.deleted_at.is_(None))
+            .order_by(PolicyVersion.version)
+        )
         rows = (await s.scalars(q)).all()
     have = {r.version: r for r in rows}
     if versions is None:
@@ -62,7 +65,11 @@ async def _weights(db: Database, run_id: str, versions: list[int] | None) -> lis
     for v in versions:
         r = have[v]
         manifest = c.WeightsManifest.model_validate_json((Path(r.path) / MANIFEST).read_text())
-        out.append(c.WeightsPublished(run_id=run_id, version=v, step=r.step, path=r.path, manifest=manifest, manifest_sha256=r.manifest_sha256))
+        out.append(
+            c.WeightsPublished(
+                run_id=run_id, version=v, step=r.step, path=r.path, manifest=manifest, manifest_sha256=r.manifest_sha256
+            )
+        )
     return out
 
 
@@ -76,7 +83,7 @@ async def _wait_ready(bus: Bus, children: list, timeout: float = 120.0) -> None:
                 h = await bus.request(f"{c.HEALTH_PREFIX}.{name}", c.HealthProbe(), c.HealthReply, timeout=2.0)
                 if h.detail.get("ready"):
                     break
-            except (RemoteError, asyncio.TimeoutError):
+            except (TimeoutError, RemoteError):
                 pass
             if time.monotonic() > end:
                 raise TimeoutError(f"{name} did not become ready within {timeout:.0f}s; see {log}")
@@ -109,8 +116,17 @@ def run_eval(run_dir: str, versions: list[int] | None, overrides: list[str]) -> 
     nats = NatsServer(work / "nats", log_file=str(work / "logs" / "nats-server.log")).start()
     children: list = []
     try:
-        exp = deep_merge(exp, {"nats": {"url": nats.url}, "database": {"url": db_url},
-                               "telemetry": {"traces_file": str(run_dir_p / "traces" / f"eval-{stamp}-{{service}}.jsonl"), "metrics_port": -1}})  # fmt: skip
+        exp = deep_merge(
+            exp,
+            {
+                "nats": {"url": nats.url},
+                "database": {"url": db_url},
+                "telemetry": {
+                    "traces_file": str(run_dir_p / "traces" / f"eval-{stamp}-{{service}}.jsonl"),
+                    "metrics_port": -1,
+                },
+            },
+        )
         cfg_file = work / "config.toml"
         cfg_file.write_text(render_toml(exp))
         settings = load_config(_EvalConfig, cfg_file)
@@ -119,8 +135,17 @@ def run_eval(run_dir: str, versions: list[int] | None, overrides: list[str]) -> 
         for name, extra in SERVICES:
             info = services[name]
             log = work / "logs" / f"{name}.log"
-            argv = [*info.argv(load_config(info.config_class(), cfg_file)), "--config", str(cfg_file), "--instance", f"eval-{name}", *extra]
-            proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            argv = [
+                *info.argv(load_config(info.config_class(), cfg_file)),
+                "--config",
+                str(cfg_file),
+                "--instance",
+                f"eval-{name}",
+                *extra,
+            ]
+            proc = subprocess.Popen(
+                argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
             children.append((name, proc, log))
         _say(f"env-pool, reward and an eval worker on {nats.url} (logs in {work / 'logs'})")
         return asyncio.run(_evaluate(settings, db_url, versions, children))
@@ -159,17 +184,23 @@ async def _evaluate(cfg: _EvalConfig, db_url: str, versions: list[int] | None, c
                 try:
                     rec = await collector.wait(eval_id, 1.0)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await collector.expire()
             if rec is None:
-                _say(f"version {w.version}: no episode came back within eval.timeout_s; see the logs in {Path(cfg.run.dir)}")
+                _say(
+                    f"version {w.version}: no episode came back within eval.timeout_s; see the logs in {Path(cfg.run.dir)}"
+                )
                 return 1
             results.append(rec)
             ks = "".join(f", pass@{k} {v:.0%}" for k, v in rec.pass_at_k.items())
-            _say(f"version {rec.version}: greedy pass {rec.greedy_pass_rate:.0%}{ks} ({rec.tasks} {rec.split} tasks, {rec.seconds:.0f}s)")
+            _say(
+                f"version {rec.version}: greedy pass {rec.greedy_pass_rate:.0%}{ks} ({rec.tasks} {rec.split} tasks, {rec.seconds:.0f}s)"
+            )
         print(f"\n| version | greedy | {' | '.join(f'pass@{k}' for k in (results[0].pass_at_k if results else {}))} |")
         for rec in results:
-            print(f"| {rec.version} | {rec.greedy_pass_rate:.0%} | {' | '.join(f'{v:.0%}' for v in rec.pass_at_k.values())} |")
+            print(
+                f"| {rec.version} | {rec.greedy_pass_rate:.0%} | {' | '.join(f'{v:.0%}' for v in rec.pass_at_k.values())} |"
+            )
         return 0
     finally:
         await bus.close()

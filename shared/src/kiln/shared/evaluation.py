@@ -48,7 +48,9 @@ def eval_tasks(suite: TaskSuite, settings: EvalSettings) -> list[Task]:
     return tasks[: settings.max_tasks] if settings.max_tasks else tasks
 
 
-def eval_requests(run_id: str, eval_id: str, weights: c.WeightsPublished, tasks: list[Task], s: EvalSettings) -> list[c.EvalRequest]:
+def eval_requests(
+    run_id: str, eval_id: str, weights: c.WeightsPublished, tasks: list[Task], s: EvalSettings
+) -> list[c.EvalRequest]:
     deadline = time.time() + s.timeout_s
     out = []
     for t in tasks:
@@ -98,7 +100,9 @@ class EvalCollector:
     async def watch(self) -> None:
         await self.bus.watch(c.EVAL_SCORED, c.ScoredTrajectory, self.on_scored, deliver="new")
 
-    async def start(self, run_id: str, eval_id: str, weights: c.WeightsPublished, settings: EvalSettings, suite_name: str) -> None:
+    async def start(
+        self, run_id: str, eval_id: str, weights: c.WeightsPublished, settings: EvalSettings, suite_name: str
+    ) -> None:
         tasks = eval_tasks(self.suite, settings)
         if settings.samples and any(k > settings.samples for k in settings.k):
             raise ValueError(f"eval.k {settings.k} asks for more than eval.samples = {settings.samples}")
@@ -134,7 +138,12 @@ class EvalCollector:
         if p.received == 0:
             # Nothing came back (no eval worker is running?): a row of zeros would read as
             # a policy that solves nothing.
-            log.error("evaluation %s of version %d got no episode back within %.0fs; nothing recorded", eval_id, p.version, s.timeout_s)
+            log.error(
+                "evaluation %s of version %d got no episode back within %.0fs; nothing recorded",
+                eval_id,
+                p.version,
+                s.timeout_s,
+            )
             p.done.set()
             return
         per_task = {}
@@ -151,18 +160,33 @@ class EvalCollector:
         pass_k = {}
         for k in s.k if s.samples else []:
             # A task with draws missing (timeout) is scored on what it has, or 0 without k of them.
-            vals = [pass_at_k(len(d), sum(d), k) if len(d) >= k else 0.0 for d in (p.sampled.get(t, []) for t in p.tasks)]
+            vals = [
+                pass_at_k(len(d), sum(d), k) if len(d) >= k else 0.0 for d in (p.sampled.get(t, []) for t in p.tasks)
+            ]
             pass_k[str(k)] = sum(vals) / len(vals)
         rec = EvalRecord(
-            run_id=p.run_id, version=p.version, suite=p.suite, split=s.split, tasks=len(p.tasks), samples=s.samples,
-            seed=s.seed, greedy_pass_rate=greedy, pass_at_k=pass_k, per_task=per_task,
+            run_id=p.run_id,
+            version=p.version,
+            suite=p.suite,
+            split=s.split,
+            tasks=len(p.tasks),
+            samples=s.samples,
+            seed=s.seed,
+            greedy_pass_rate=greedy,
+            pass_at_k=pass_k,
+            per_task=per_task,
             seconds=time.monotonic() - p.started,
-        )  # fmt: skip
+        )
         async with self.db.session() as session:
             session.add(rec)
         p.record = rec
         p.done.set()
-        log.info("version %d: greedy pass %.0f%%%s", p.version, 100 * greedy, "".join(f", pass@{k} {v:.0%}" for k, v in pass_k.items()))
+        log.info(
+            "version %d: greedy pass %.0f%%%s",
+            p.version,
+            100 * greedy,
+            "".join(f", pass@{k} {v:.0%}" for k, v in pass_k.items()),
+        )
 
     async def wait(self, eval_id: str, timeout: float | None = None) -> EvalRecord | None:
         """The evaluation's row once recorded (None: nothing came back before its timeout)."""

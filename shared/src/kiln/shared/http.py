@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import ipaddress
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -46,8 +46,9 @@ def bearer_auth(token: str) -> Callable[[Request], None]:
     return check
 
 
-async def serve_http(app: FastAPI, host: str, port: int, token: str, stop: asyncio.Event, *,
-                     authenticates_itself: bool = False) -> tuple[str, asyncio.Task]:
+async def serve_http(
+    app: FastAPI, host: str, port: int, token: str, stop: asyncio.Event, *, authenticates_itself: bool = False
+) -> tuple[str, asyncio.Task]:
     """Start serving ``app`` until ``stop``; returns the URL and the server task.
     ``authenticates_itself``: every route of ``app`` checks a credential of its own (the
     rollout endpoint's per-episode keys), so a wider bind needs no shared token."""

@@ -24,7 +24,6 @@ import datetime as dt
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -76,9 +75,12 @@ class Child:
 
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
+        argv,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
         start_new_session=True,  # Ctrl-C reaches the launcher only; it stops children in order
-    )  # fmt: skip
+    )
 
 
 def _say(msg: str) -> None:
@@ -125,8 +127,8 @@ class LocalPlatform:
         return run_dir, load_config(LauncherConfig, self.config_file)
 
     def _start_infra(self, cfg: LauncherConfig) -> None:
-        from kiln.shared.embedded import NatsCluster, NatsServer, PostgresServer, postgres_bindir
         from kiln.shared.db import upgrade
+        from kiln.shared.embedded import NatsCluster, NatsServer, PostgresServer, postgres_bindir
 
         if cfg.local.embedded_nats:
             conf = None
@@ -140,11 +142,14 @@ class LocalPlatform:
                 conf.chmod(0o600)
             size = cfg.nats.cluster_size
             if size > 1:
-                self.nats = NatsCluster(self.run_dir / "nats", size, log_dir=self.run_dir / "logs", config_file=conf).start()
+                self.nats = NatsCluster(
+                    self.run_dir / "nats", size, log_dir=self.run_dir / "logs", config_file=conf
+                ).start()
                 what = f"a {size}-node NATS cluster with JetStream ({cfg.nats.stream_replicas} replicas per stream)"
             else:
-                self.nats = NatsServer(self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log"),
-                                       config_file=conf).start()  # fmt: skip
+                self.nats = NatsServer(
+                    self.run_dir / "nats", log_file=str(self.run_dir / "logs" / "nats-server.log"), config_file=conf
+                ).start()
                 what = "nats-server with JetStream"
             self.experiment.setdefault("nats", {})["url"] = self.nats.url
             _say(f"{what} on {self.nats.url}" + (", a credential per service" if conf else ""))
@@ -166,14 +171,25 @@ class LocalPlatform:
         for info in self.services.values():
             load_config(info.config_class(), self.config_file)  # fail before starting anything
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KILN_CONFIG": str(self.config_file)}
-        plan = [(name, info, f"{name}-{i}", []) for name, info in self.services.items() for i in range(cfg.local.replicas.get(name, 1))]
+        plan = [
+            (name, info, f"{name}-{i}", [])
+            for name, info in self.services.items()
+            for i in range(cfg.local.replicas.get(name, 1))
+        ]
         if cfg.eval.every > 0 and "rollout" in self.services:
             plan.append(("rollout", self.services["rollout"], "rollout-eval-0", ["--set", "rollout.role=eval"]))
         for name, info, label, extra in plan:
             log = self.run_dir / "logs" / f"{label}.log"
             if self.creds is not None:  # its own credential, in its environment only
                 env = {**env, "KILN_NATS__USER": name, "KILN_NATS__PASSWORD": self.creds.users[name]}
-            argv = [*info.argv(load_config(info.config_class(), self.config_file)), "--config", str(self.config_file), "--instance", label, *extra]
+            argv = [
+                *info.argv(load_config(info.config_class(), self.config_file)),
+                "--config",
+                str(self.config_file),
+                "--instance",
+                label,
+                *extra,
+            ]
             self.children.append(Child(label, info, spawn(argv, env, log), log, argv, env))
         _say("services: " + ", ".join(ch.name for ch in self.children) + f" (logs in {self.run_dir / 'logs'})")
 
@@ -182,7 +198,9 @@ class LocalPlatform:
 
         async def on_weights(m: c.WeightsPublished) -> None:
             if m.version == 0:
-                _say(f"policy version 0 published ({sum(f.size for f in m.manifest.files) / 1e6:.1f} MB); rollouts start")
+                _say(
+                    f"policy version 0 published ({sum(f.size for f in m.manifest.files) / 1e6:.1f} MB); rollouts start"
+                )
 
         async def on_metrics(m: c.StepMetrics) -> None:
             if m.run_id != run_id:
@@ -234,7 +252,7 @@ class LocalPlatform:
                     try:
                         await asyncio.wait_for(self.finished.wait(), 2.0)
                         return
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         status, detail = await self._run_status(cfg)
                         if status == "finished":
                             return
@@ -249,7 +267,7 @@ class LocalPlatform:
                 return
             try:
                 await asyncio.wait_for(self.finished.wait(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _restart(self, ch: Child, cfg: LauncherConfig) -> str | None:
@@ -259,11 +277,15 @@ class LocalPlatform:
         ch.restarts = [t for t in ch.restarts if now - t < local.restart_window_s] + [now]
         code = ch.proc.returncode
         if len(ch.restarts) > local.max_restarts:
-            return (f"{ch.name} crash-loops: it exited {len(ch.restarts)} times within {local.restart_window_s:.0f}s "
-                    f"(last exit code {code}); last lines of {ch.log}:\n" + _tail(ch.log))  # fmt: skip
+            return (
+                f"{ch.name} crash-loops: it exited {len(ch.restarts)} times within {local.restart_window_s:.0f}s "
+                f"(last exit code {code}); last lines of {ch.log}:\n" + _tail(ch.log)
+            )
         delay = min(local.restart_backoff_s * 2 ** (len(ch.restarts) - 1), local.restart_backoff_max_s)
-        _say(f"{ch.name} exited with code {code}; restarting it in {delay:.1f}s (restart {len(ch.restarts)} of "
-             f"at most {local.max_restarts} in {local.restart_window_s:.0f}s)")  # fmt: skip
+        _say(
+            f"{ch.name} exited with code {code}; restarting it in {delay:.1f}s (restart {len(ch.restarts)} of "
+            f"at most {local.max_restarts} in {local.restart_window_s:.0f}s)"
+        )
         ch.restart_at = now + delay
         self.restarts += 1
         return None
@@ -283,12 +305,16 @@ class LocalPlatform:
 
     async def run(self) -> int:
         run_dir, cfg = self._prepare()
-        _say(f"run {cfg.run.id}: {cfg.algorithm.steps} steps of {cfg.algorithm.groups_per_step} groups x "
-             f"{cfg.algorithm.samples_per_group} samples; results in {run_dir}")
+        _say(
+            f"run {cfg.run.id}: {cfg.algorithm.steps} steps of {cfg.algorithm.groups_per_step} groups x "
+            f"{cfg.algorithm.samples_per_group} samples; results in {run_dir}"
+        )
         interrupted = asyncio.Event()
         from kiln.shared.service import StopSignals  # never lost under load, unlike loop.add_signal_handler
 
-        signals = StopSignals(asyncio.get_running_loop(), lambda _sig: (interrupted.set(), self.finished.set())).install()
+        signals = StopSignals(
+            asyncio.get_running_loop(), lambda _sig: (interrupted.set(), self.finished.set())
+        ).install()
         bus = None
         dashboard, dashboard_stop = None, asyncio.Event()
         try:
@@ -305,7 +331,12 @@ class LocalPlatform:
                 from kiln.shared.dashboard.serve import serve_dashboard
 
                 url, dashboard = await serve_dashboard(
-                    cfg.database.url, "127.0.0.1", cfg.local.dashboard_port, "", dashboard_stop, traces_dir=self.run_dir / "traces"
+                    cfg.database.url,
+                    "127.0.0.1",
+                    cfg.local.dashboard_port,
+                    "",
+                    dashboard_stop,
+                    traces_dir=self.run_dir / "traces",
                 )
                 _say(f"dashboard: {url}/runs/{cfg.run.id}")
             self._spawn(cfg)
@@ -359,7 +390,11 @@ class LocalPlatform:
         db = Database(cfg.database.url)
         try:
             async with db.session() as s:
-                await s.execute(update(Run).where(Run.id == cfg.run.id, Run.status == "running").values(status="failed", detail=why[:4000]))
+                await s.execute(
+                    update(Run)
+                    .where(Run.id == cfg.run.id, Run.status == "running")
+                    .values(status="failed", detail=why[:4000])
+                )
         except Exception as e:  # the database may be what failed; the exit code still says so
             _say(f"could not mark the run failed in the database: {e}")
         finally:
@@ -373,11 +408,25 @@ class LocalPlatform:
         db = Database(cfg.database.url)
         try:
             async with db.session() as s:
-                versions = (await s.scalar(select(func.count()).select_from(PolicyVersion).where(PolicyVersion.run_id == cfg.run.id))) or 0
-                rows = (await s.execute(
-                    select(TaskGroup.status, TaskGroup.reason, func.count()).where(TaskGroup.run_id == cfg.run.id).group_by(TaskGroup.status, TaskGroup.reason)
-                )).all()
-                evals = (await s.scalars(select(EvalRecord).where(EvalRecord.run_id == cfg.run.id).order_by(EvalRecord.version, EvalRecord.id))).all()
+                versions = (
+                    await s.scalar(
+                        select(func.count()).select_from(PolicyVersion).where(PolicyVersion.run_id == cfg.run.id)
+                    )
+                ) or 0
+                rows = (
+                    await s.execute(
+                        select(TaskGroup.status, TaskGroup.reason, func.count())
+                        .where(TaskGroup.run_id == cfg.run.id)
+                        .group_by(TaskGroup.status, TaskGroup.reason)
+                    )
+                ).all()
+                evals = (
+                    await s.scalars(
+                        select(EvalRecord)
+                        .where(EvalRecord.run_id == cfg.run.id)
+                        .order_by(EvalRecord.version, EvalRecord.id)
+                    )
+                ).all()
         finally:
             await db.close()
         groups = ", ".join(f"{n} {st}{f' ({r})' if r else ''}" for st, r, n in rows) or "none"
@@ -390,12 +439,15 @@ class LocalPlatform:
             f"  logs:     {self.run_dir / 'logs'}",
             f"  traces:   {self.run_dir / 'traces'}",
             f"  weights:  {self.run_dir / 'weights'}",
-            f"  database: {cfg.database.url}" + (f" (embedded, stopped; its data: {self.pg.data_dir})" if self.pg else ""),
+            f"  database: {cfg.database.url}"
+            + (f" (embedded, stopped; its data: {self.pg.data_dir})" if self.pg else ""),
             f"  browse:   kiln dashboard {self.run_dir}",
         ]
         for e in evals:
             ks = "".join(f", pass@{k} {v:.0%}" for k, v in e.pass_at_k.items())
-            lines.append(f"  eval:     version {e.version}: greedy pass {e.greedy_pass_rate:.0%}{ks} ({e.tasks} {e.split} tasks)")
+            lines.append(
+                f"  eval:     version {e.version}: greedy pass {e.greedy_pass_rate:.0%}{ks} ({e.tasks} {e.split} tasks)"
+            )
         return "\n".join(lines)
 
 

@@ -27,9 +27,10 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -110,8 +111,13 @@ class StopSignals:
     the process's one wakeup fd. ``close`` restores the handlers and wakeup fd it replaced.
     Main thread only (the only thread Python lets install signal handlers)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], None],
-                 signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), poll_s: float = 0.5) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_signal: Callable[[int], None],
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+        poll_s: float = 0.5,
+    ) -> None:
         self.loop = loop
         self.on_signal = on_signal
         self.signals = tuple(signals)
@@ -123,7 +129,7 @@ class StopSignals:
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def install(self) -> "StopSignals":
+    def install(self) -> StopSignals:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         r, w = socket.socketpair()
@@ -230,7 +236,13 @@ async def run_service(
         ctx = ServiceContext(name, instance, config, bus, tel, stop, ready or asyncio.Event())
         if tel.prometheus is not None:
             t = config.telemetry
-            ctx.metrics_url, metrics_task = await serve_http(metrics_app(tel.prometheus, t.metrics_token), t.metrics_host, t.metrics_port, t.metrics_token, metrics_stop)
+            ctx.metrics_url, metrics_task = await serve_http(
+                metrics_app(tel.prometheus, t.metrics_token),
+                t.metrics_host,
+                t.metrics_port,
+                t.metrics_token,
+                metrics_stop,
+            )
             ctx.health_detail["metrics_url"] = f"{ctx.metrics_url}/metrics"
             log.info("metrics for Prometheus at %s/metrics", ctx.metrics_url)
 
@@ -310,5 +322,5 @@ async def wait_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     try:
         await asyncio.wait_for(stop.wait(), seconds)
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False

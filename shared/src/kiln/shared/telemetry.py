@@ -17,8 +17,9 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace

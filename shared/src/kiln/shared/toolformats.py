@@ -66,7 +66,8 @@ class Hermes(ToolFormat):
 
     def render(self, calls: list[tuple[str, dict]]) -> str:
         return "".join(
-            "<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>" for n, a in calls
+            "<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>"
+            for n, a in calls
         )
 
     def parse(self, text: str, tools: list[dict] = ()) -> tuple[str, list[ParsedCall]]:
@@ -103,7 +104,8 @@ class Qwen3Coder(ToolFormat):
         out = []
         for name, args in calls:
             params = "".join(
-                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n" for k, v in args.items()
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                for k, v in args.items()
             )
             out.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>")
         return "\n".join(out)
@@ -115,7 +117,9 @@ class Qwen3Coder(ToolFormat):
             block = m.group(0)
             full = self._CALL.search(block)
             if not full:
-                calls.append(ParsedCall(_id(n), None, None, "malformed <tool_call>: expected <function=NAME>...</function>"))
+                calls.append(
+                    ParsedCall(_id(n), None, None, "malformed <tool_call>: expected <function=NAME>...</function>")
+                )
                 continue
             name, body = full.group(1), full.group(2)
             args: dict[str, Any] = {}

@@ -43,12 +43,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.shared.bus import ServiceError
-from kiln.shared.contracts import ExecResult
-
 from kiln.envpool import seccomp as _seccomp
 from kiln.envpool.launcher import FIRST_FILE_FD, Launcher
 from kiln.envpool.sandbox import SANDBOX_PATH, Identity, Limits, Sandbox, spawn
+from kiln.shared.bus import ServiceError
+from kiln.shared.contracts import ExecResult
 
 INNER_UID = 1000
 _USRMERGE = ("bin", "lib", "lib32", "lib64", "sbin")
@@ -128,7 +127,9 @@ def system_args(ro_binds: list[str], etc_dir: Path, seccomp: bool = True) -> Sys
 
 def write_identity_files(etc_dir: Path) -> None:
     etc_dir.mkdir(parents=True, exist_ok=True)
-    (etc_dir / "passwd").write_text(f"root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:{INNER_UID}:{INNER_UID}::/workspace:/bin/bash\n")
+    (etc_dir / "passwd").write_text(
+        f"root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:{INNER_UID}:{INNER_UID}::/workspace:/bin/bash\n"
+    )
     (etc_dir / "group").write_text(f"root:x:0:\nsandbox:x:{INNER_UID}:\n")
     for f in (etc_dir, etc_dir / "passwd", etc_dir / "group"):
         os.chmod(f, 0o755 if f.is_dir() else 0o644)
@@ -155,31 +156,51 @@ class BwrapSandbox(Sandbox):
 
     def argv(self, argv: list[str]) -> list[str]:
         env_path = list(self.environment.path) if self.environment is not None else []
-        env_vars = [x for k, v in (self.environment.env.items() if self.environment is not None else ()) for x in ("--setenv", k, v)]
+        env_vars = [
+            x
+            for k, v in (self.environment.env.items() if self.environment is not None else ())
+            for x in ("--setenv", k, v)
+        ]
         return [
             bwrap_binary(),
             "--unshare-all",
             "--unshare-user",
-            "--uid", str(INNER_UID),
-            "--gid", str(INNER_UID),
-            "--hostname", "sandbox",
+            "--uid",
+            str(INNER_UID),
+            "--gid",
+            str(INNER_UID),
+            "--hostname",
+            "sandbox",
             "--die-with-parent",
             "--new-session",
             "--as-pid-1",  # no bwrap process (its argv names host paths) inside the sandbox
             "--clearenv",
-            "--setenv", "PATH", ":".join([*env_path, SANDBOX_PATH]),
-            "--setenv", "HOME", "/workspace",
-            "--setenv", "TMPDIR", "/tmp",
-            "--setenv", "LANG", "C.UTF-8",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "--setenv", "PYTHONUNBUFFERED", "1",
+            "--setenv",
+            "PATH",
+            ":".join([*env_path, SANDBOX_PATH]),
+            "--setenv",
+            "HOME",
+            "/workspace",
+            "--setenv",
+            "TMPDIR",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--setenv",
+            "PYTHONUNBUFFERED",
+            "1",
             *env_vars,
             *self.system.seccomp,
             *self.filesystem(),
-            "--chdir", "/workspace",
+            "--chdir",
+            "/workspace",
             "--",
             *argv,
-        ]  # fmt: skip
+        ]
 
     async def run(self, argv: list[str], timeout_s: float) -> ExecResult:
         # bwrap exits before the command starts when a path it binds is gone (this node's
@@ -187,7 +208,9 @@ class BwrapSandbox(Sandbox):
         # reach a caller (a reward harness) as a failing command.
         missing = [p for p in self.sources if not os.path.exists(p)]
         if missing:
-            raise ServiceError(f"sandbox {self.id} cannot start: {', '.join(missing)} no longer exist on this node", "sandbox_broken")
+            raise ServiceError(
+                f"sandbox {self.id} cannot start: {', '.join(missing)} no longer exist on this node", "sandbox_broken"
+            )
         return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={}, files=self.system.files)
 
 
@@ -204,6 +227,13 @@ async def probe(system: System, identity: Identity, workspace: Path, launcher: L
 
 
 _PROBE_LIMITS = Limits(
-    cpu_seconds=10, address_space_bytes=1 << 32, max_file_bytes=1 << 20, open_files=64, processes=1 << 16,
-    output_limit_bytes=4096, output_kill_bytes=1 << 20, tmp_bytes=1 << 20, workspace_quota_bytes=1 << 30,
+    cpu_seconds=10,
+    address_space_bytes=1 << 32,
+    max_file_bytes=1 << 20,
+    open_files=64,
+    processes=1 << 16,
+    output_limit_bytes=4096,
+    output_kill_bytes=1 << 20,
+    tmp_bytes=1 << 20,
+    workspace_quota_bytes=1 << 30,
 )

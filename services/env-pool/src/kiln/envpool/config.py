@@ -71,7 +71,9 @@ class EnvPoolSettings(Section):
     keyring, BPF, perf, io_uring, userfaultfd, modules, kexec, reboot, swap, clock setting and
     file handles fail with EPERM (``clone3`` with ENOSYS, so glibc falls back to ``clone``); a
     foreign ABI (x32, i386) kills the process. Off only to debug a tool the filter breaks."""
-    ro_binds: list[str] = Field(default_factory=lambda: ["/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl", "/etc/localtime"])
+    ro_binds: list[str] = Field(
+        default_factory=lambda: ["/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl", "/etc/localtime"]
+    )
     """Host paths mounted read-only into every sandbox (missing ones are skipped)."""
     max_read_bytes: int = 256 * 1024
     """read_file refuses files larger than this."""

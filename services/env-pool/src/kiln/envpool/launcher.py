@@ -62,9 +62,14 @@ class Launcher:
             return self._sock
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", str(ZYGOTE), str(theirs.fileno()), pass_fds=(theirs.fileno(),),
+            sys.executable,
+            "-I",
+            "-S",
+            str(ZYGOTE),
+            str(theirs.fileno()),
+            pass_fds=(theirs.fileno(),),
             stdin=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         theirs.close()
         ours.setblocking(False)
         asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
@@ -131,7 +136,17 @@ class Launcher:
         rid = next(self._ids)
         pending = _Pending(loop.create_future(), loop.create_future())
         self._pending[rid] = pending
-        req = {"id": rid, "argv": argv, "env": env, "cwd": cwd, "cgroups": cgroups, "rlimits": rlimits, "uid": uid, "gid": gid, "files": files or []}
+        req = {
+            "id": rid,
+            "argv": argv,
+            "env": env,
+            "cwd": cwd,
+            "cgroups": cgroups,
+            "rlimits": rlimits,
+            "uid": uid,
+            "gid": gid,
+            "files": files or [],
+        }
         try:
             async with self._lock:
                 sock = await self._ensure()
@@ -160,7 +175,7 @@ class Launcher:
         if self._proc is not None:
             try:
                 await asyncio.wait_for(self._proc.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()
 

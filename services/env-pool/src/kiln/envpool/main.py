@@ -29,6 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
+from opentelemetry import trace
+
 from kiln.envpool import bwrap, overlay
 from kiln.envpool.api import build_app
 from kiln.envpool.cgroups import CgroupManager
@@ -44,7 +46,6 @@ from kiln.shared.bus import ServiceError
 from kiln.shared.http import serve_http
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
 from kiln.shared.tasks import load_suite
-from opentelemetry import trace
 
 log = logging.getLogger("kiln.envpool")
 
@@ -120,8 +121,9 @@ def layer_store(s: EnvPoolSettings, js, replicas: int = 1):
     from kiln.envpool.environments import NatsLayerStore, S3LayerStore
 
     if s.environments_store == "s3":
-        store = S3LayerStore(s.environments_s3_bucket, s.environments_s3_prefix,
-                             s.environments_s3_endpoint_url, s.environments_s3_region)
+        store = S3LayerStore(
+            s.environments_s3_bucket, s.environments_s3_prefix, s.environments_s3_endpoint_url, s.environments_s3_region
+        )
         log.info("environment layers are shared through %s", store.where)
         return store
     return NatsLayerStore(js, replicas=replicas) if s.environments_store == "nats" else None
@@ -169,15 +171,24 @@ async def serve(ctx: ServiceContext) -> None:
         from kiln.envpool.environments import EnvironmentCache
 
         environments = EnvironmentCache(
-            Path(s.environments_root), s.environments_budget_bytes, layer_store(s, ctx.bus.js, ctx.bus.settings.stream_replicas)
+            Path(s.environments_root),
+            s.environments_budget_bytes,
+            layer_store(s, ctx.bus.js, ctx.bus.settings.stream_replicas),
         )
     else:
         log.info("this node serves no environment tasks: %s", why_not)
     index = SemanticIndex(mode=s.semantic_mode)
     pool = SandboxPool(
-        s, load_suite(cfg.tasks.suite), root, factory, cgroups,
-        put_snapshot=put, get_snapshot=get, on_destroy=lambda ws: index.forget(ws.resolve()), environments=environments,
-    )  # fmt: skip
+        s,
+        load_suite(cfg.tasks.suite),
+        root,
+        factory,
+        cgroups,
+        put_snapshot=put,
+        get_snapshot=get,
+        on_destroy=lambda ws: index.forget(ws.resolve()),
+        environments=environments,
+    )
     metrics = NodeMetrics(pool)
     if s.semantic_mode != "bm25":
         index.start_loading()  # in a thread; BM25 answers until it is ready
@@ -194,7 +205,9 @@ async def serve(ctx: ServiceContext) -> None:
     def created(sb, t0: float) -> c.SandboxCreated:
         metrics.create_seconds.observe(time.monotonic() - t0)
         metrics.created.inc()
-        return c.SandboxCreated(sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id, boot=boot), workspace=str(sb.workspace))
+        return c.SandboxCreated(
+            sandbox=c.SandboxRef(node_id=node_id, sandbox_id=sb.id, boot=boot), workspace=str(sb.workspace)
+        )
 
     def refuse_when_stopping() -> None:
         if ctx.stop.is_set():
@@ -263,25 +276,40 @@ async def serve(ctx: ServiceContext) -> None:
     bus = ctx.bus
     await bus.serve(c.ENVPOOL_CREATE, c.SandboxCreate, on_create, queue=c.ENVPOOL_QUEUE)
     handlers = {
-        "exec": on_exec, "tools": on_tools, "fork": on_fork, "snapshot": on_snapshot,
-        "renew": on_renew, "destroy": on_destroy, "stats": on_stats, "diff": on_diff,
-    }  # fmt: skip
+        "exec": on_exec,
+        "tools": on_tools,
+        "fork": on_fork,
+        "snapshot": on_snapshot,
+        "renew": on_renew,
+        "destroy": on_destroy,
+        "stats": on_stats,
+        "diff": on_diff,
+    }
     for op, handler in handlers.items():
         await bus.serve(c.envpool_node_subject(node_id, op), c.ENVPOOL_NODE_MESSAGES[op][0], handler)
     http_task = None
     if s.http_port >= 0:
-        http_url, http_task = await serve_http(build_app(node_id, pool, metrics, s.http_token), s.http_host, s.http_port, s.http_token, ctx.stop)
+        http_url, http_task = await serve_http(
+            build_app(node_id, pool, metrics, s.http_token), s.http_host, s.http_port, s.http_token, ctx.stop
+        )
     ctx.health_detail.update(node_id=node_id, backend=s.backend, cgroups=cgroups.mode, http_url=http_url)
     ctx.ready.set()
     log.info(
         "env-pool node %s serving: backend %s, cgroups %s, capacity %d, workspaces in %s%s",
-        node_id, s.backend, cgroups.mode, s.max_sandboxes, root, f", HTTP on {http_url}" if http_url else "",
-    )  # fmt: skip
+        node_id,
+        s.backend,
+        cgroups.mode,
+        s.max_sandboxes,
+        root,
+        f", HTTP on {http_url}" if http_url else "",
+    )
     try:
         while not await wait_or_stop(ctx.stop, s.reap_interval_s):
             metrics.reaped.inc(await pool.reap())
             await pool.refill()
-            ctx.health_detail.update(leased=len(pool.leases), idle=pool.idle, creating=pool.creating, live=len(pool.leases))
+            ctx.health_detail.update(
+                leased=len(pool.leases), idle=pool.idle, creating=pool.creating, live=len(pool.leases)
+            )
     finally:
         ctx.stop.set()  # also when the loop above raised: creates are refused from here on
         if pool.creating:

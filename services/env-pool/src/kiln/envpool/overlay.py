@@ -44,7 +44,14 @@ from pathlib import Path
 log = logging.getLogger("kiln.envpool.overlay")
 _libc = ctypes.CDLL(None, use_errno=True)
 # The new mount API: the same numbers on x86_64 and arm64.
-_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_MOUNT_SETATTR = 428, 429, 430, 431, 432, 442
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_MOUNT_SETATTR = (
+    428,
+    429,
+    430,
+    431,
+    432,
+    442,
+)
 _FSOPEN_CLOEXEC, _FSMOUNT_CLOEXEC = 1, 1
 _FSCONFIG_SET_FD, _FSCONFIG_CMD_CREATE = 5, 6
 _OPEN_TREE_CLONE = 1
@@ -60,8 +67,12 @@ class OverlayError(RuntimeError):
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(ret: int, what: str) -> int:
@@ -112,8 +123,10 @@ def _userns(uid: int, gid: int) -> int:
 
 def _tree(source: Path, userns_fd: int | None, readonly: bool = True) -> int:
     """A detached clone of ``source`` (read-only, idmapped through ``userns_fd`` if given)."""
-    fd = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
-                f"open_tree {source}")  # fmt: skip
+    fd = _check(
+        _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
+        f"open_tree {source}",
+    )
     flags = (_MOUNT_ATTR_RDONLY if readonly else 0) | (_MOUNT_ATTR_IDMAP if userns_fd is not None else 0)
     if flags:
         attr = _MountAttr(flags, 0, 0, userns_fd or 0)
@@ -125,8 +138,10 @@ def _tree(source: Path, userns_fd: int | None, readonly: bool = True) -> int:
 
 
 def _attach(fd: int, target: Path) -> None:
-    _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
-           f"attaching a mount at {target}")  # fmt: skip
+    _check(
+        _libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
+        f"attaching a mount at {target}",
+    )
 
 
 class _LayersByPathOnly(OverlayError):
@@ -239,7 +254,9 @@ class OverlayView:
         global _legacy_warned
         if not _legacy_warned:
             _legacy_warned = True
-            log.warning("this kernel's overlayfs takes no layers by descriptor (6.13+): sandboxes' mountinfo shows host paths")
+            log.warning(
+                "this kernel's overlayfs takes no layers by descriptor (6.13+): sandboxes' mountinfo shows host paths"
+            )
         paths = []
         for i, (layer, fd) in enumerate(lowers):
             if layer.owned:
@@ -251,7 +268,10 @@ class OverlayView:
             else:
                 paths.append(layer.path)
         opts = f"lowerdir={':'.join(map(str, paths))},upperdir={self.upper},workdir={self.dir / 'work'}"
-        _check(_libc.mount(b"overlay", os.fsencode(self.root), b"overlay", 0, opts.encode()), f"mount overlay at {self.root}")
+        _check(
+            _libc.mount(b"overlay", os.fsencode(self.root), b"overlay", 0, opts.encode()),
+            f"mount overlay at {self.root}",
+        )
         self.mounts.append(self.root)
 
     def unmount(self) -> None:
@@ -287,8 +307,10 @@ def filesystem_of(path: Path) -> str:
 def mount_tmpfs(path: Path) -> None:
     """A tmpfs of its own at ``path`` (a node's workspaces: a bind of a sandbox's folder then
     shows ``/<sandbox>`` in the sandbox's mountinfo, not the node's folder on the host)."""
-    _check(_libc.mount(b"kiln-workspaces", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0711"),
-           f"mount tmpfs at {path}")  # fmt: skip
+    _check(
+        _libc.mount(b"kiln-workspaces", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0711"),
+        f"mount tmpfs at {path}",
+    )
 
 
 def supported() -> str | None:

@@ -21,8 +21,8 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger("kiln.envpool.patch")
 
@@ -55,7 +55,11 @@ def git_patch(paths: list[str], before: Callable[[str], Path | None], after: Pat
         except (subprocess.CalledProcessError, OSError) as e:
             # The workspace's content must never fail its diff (a failed diff would be an
             # infra error, which the learner leaves out): the patch is given up instead.
-            detail = e.stderr.decode(errors="replace")[-300:] if isinstance(e, subprocess.CalledProcessError) and e.stderr else str(e)
+            detail = (
+                e.stderr.decode(errors="replace")[-300:]
+                if isinstance(e, subprocess.CalledProcessError) and e.stderr
+                else str(e)
+            )
             log.warning("git could not make the workspace's patch (%s): left out", detail.strip())
             return "", sorted(set(paths))
     text = out.decode("utf-8", "replace")
@@ -65,17 +69,31 @@ def git_patch(paths: list[str], before: Callable[[str], Path | None], after: Pat
 
 
 def _diff_trees(tmp: Path, a: Path, b: Path) -> bytes:
-    env = {"GIT_DIR": str(tmp / "git"), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
-           "HOME": str(tmp), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}  # fmt: skip
+    env = {
+        "GIT_DIR": str(tmp / "git"),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "HOME": str(tmp),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LC_ALL": "C",
+    }
     git = ["git", "-c", "core.fileMode=true", "-c", "core.autocrlf=false", "-c", "core.symlinks=true"]
     subprocess.run([*git, "init", "-q"], env=env, check=True, capture_output=True)
     trees = []
     for side, root in (("a", a), ("b", b)):
         side_env = {**env, "GIT_INDEX_FILE": str(tmp / f"index-{side}"), "GIT_WORK_TREE": str(root)}
         subprocess.run([*git, "add", "-A", "--force", "."], env=side_env, cwd=root, check=True, capture_output=True)
-        trees.append(subprocess.run([*git, "write-tree"], env=side_env, check=True, capture_output=True, text=True).stdout.strip())
-    return subprocess.run([*git, "diff-tree", "-r", "-p", "--binary", "-M", "--full-index", *trees],
-                          env=env, check=True, capture_output=True).stdout  # fmt: skip
+        trees.append(
+            subprocess.run(
+                [*git, "write-tree"], env=side_env, check=True, capture_output=True, text=True
+            ).stdout.strip()
+        )
+    return subprocess.run(
+        [*git, "diff-tree", "-r", "-p", "--binary", "-M", "--full-index", *trees],
+        env=env,
+        check=True,
+        capture_output=True,
+    ).stdout
 
 
 def _too_large(p: Path) -> bool:

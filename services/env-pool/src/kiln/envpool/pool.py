@@ -29,13 +29,9 @@ import shutil
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
-
-from kiln.shared import contracts as c
-from kiln.shared.bus import ServiceError
-from kiln.shared.tasks import TaskSuite
 
 from kiln.envpool import overlay
 from kiln.envpool import upper as upp
@@ -45,6 +41,9 @@ from kiln.envpool.config import EnvPoolSettings
 from kiln.envpool.patch import git_patch
 from kiln.envpool.sandbox import Identity, Limits, Sandbox
 from kiln.envpool.walk import Bounds
+from kiln.shared import contracts as c
+from kiln.shared.bus import ServiceError
+from kiln.shared.tasks import TaskSuite
 
 log = logging.getLogger("kiln.envpool.pool")
 
@@ -197,8 +196,11 @@ class SandboxPool:
         if not task.environment:
             return None
         if self.environments is None:
-            raise ServiceError(f"task {task_id} needs environment {task.environment!r}: this node serves no environments "
-                               "(they need the bwrap backend and env-pool running as root)", "unsupported")  # fmt: skip
+            raise ServiceError(
+                f"task {task_id} needs environment {task.environment!r}: this node serves no environments "
+                "(they need the bwrap backend and env-pool running as root)",
+                "unsupported",
+            )
         from kiln.envpool.environments import EnvironmentBuildError
 
         try:
@@ -213,12 +215,14 @@ class SandboxPool:
         """A new sandbox whose files ``fill`` writes; the caller holds a reservation."""
         try:
             await asyncio.wait_for(self._build_slots.acquire(), self.s.create_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ServiceError(f"{self.s.max_creating} sandboxes are being created; try again", "busy") from None
         sid = f"sb-{uuid.uuid4().hex[:12]}"
         ws = self.spaces / sid
         slot = self.slots.pop()
-        identity = Identity(self.s.sandbox_uid_base + slot, self.s.sandbox_uid_base + slot) if self.as_root else Identity()
+        identity = (
+            Identity(self.s.sandbox_uid_base + slot, self.s.sandbox_uid_base + slot) if self.as_root else Identity()
+        )
 
         def prepare():  # one thread hop for all the file system work
             workspace, view = fill(ws, identity)
@@ -262,7 +266,9 @@ class SandboxPool:
 
         return fill
 
-    def _overlay(self, layers: tuple[overlay.LowerLayer, ...], upper_from: Callable[[Path, Identity], None] | None = None) -> Filler:
+    def _overlay(
+        self, layers: tuple[overlay.LowerLayer, ...], upper_from: Callable[[Path, Identity], None] | None = None
+    ) -> Filler:
         """A view over ``layers``; ``upper_from`` writes its starting upper directory
         (a fork's copy, a restored snapshot), else it starts empty."""
 
@@ -349,7 +355,10 @@ class SandboxPool:
         bounds = Bounds.from_settings(self.s)
         if view is not None:
             lowers = [layer.path / "workspace" for layer in reversed(view.layers)]
-            compare, before = functools.partial(upp.diff, view.upper / "workspace", lowers, bounds), functools.partial(upp.find_lower, lowers)
+            compare, before = (
+                functools.partial(upp.diff, view.upper / "workspace", lowers, bounds),
+                functools.partial(upp.find_lower, lowers),
+            )
         else:
             template = await self._template(lease.task_id)
             compare = functools.partial(wsp.diff, template, lease.sandbox.workspace, bounds)
@@ -359,9 +368,15 @@ class SandboxPool:
             ch = compare()
             paths = [*ch.changed, *ch.deleted, *ch.other]
             text, left_out = git_patch(paths[:MAX_PATCH_PATHS], before, lease.sandbox.workspace)
-            return c.WorkspaceDiff(changed=ch.changed, deleted=ch.deleted, binary=ch.other, patch=text,
-                                   patch_left_out=left_out + sorted(paths[MAX_PATCH_PATHS:]), omitted=ch.omitted,
-                                   truncated=ch.truncated)  # fmt: skip
+            return c.WorkspaceDiff(
+                changed=ch.changed,
+                deleted=ch.deleted,
+                binary=ch.other,
+                patch=text,
+                patch_left_out=left_out + sorted(paths[MAX_PATCH_PATHS:]),
+                omitted=ch.omitted,
+                truncated=ch.truncated,
+            )
 
         return await asyncio.to_thread(both)
 

@@ -34,11 +34,11 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from kiln.shared.contracts import ExecResult
 
 from kiln.envpool.cgroups import Cgroup
 from kiln.envpool.launcher import Launcher
 from kiln.envpool.walk import remove_tree, usage
+from kiln.shared.contracts import ExecResult
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 MAX_ARG_BYTES = 128 * 1024
@@ -75,7 +75,13 @@ class Identity:
 
 class Sandbox(ABC):
     def __init__(
-        self, sandbox_id: str, workspace: Path, limits: Limits, identity: Identity, cgroup: Cgroup | None, launcher: Launcher
+        self,
+        sandbox_id: str,
+        workspace: Path,
+        limits: Limits,
+        identity: Identity,
+        cgroup: Cgroup | None,
+        launcher: Launcher,
     ):
         self.id = sandbox_id
         self.launcher = launcher
@@ -142,7 +148,13 @@ class Sandbox(ABC):
 
 
 async def spawn(
-    sb: Sandbox, argv: list[str], timeout_s: float, *, cwd: Path | None, env: dict[str, str], files: list[str] | None = None
+    sb: Sandbox,
+    argv: list[str],
+    timeout_s: float,
+    *,
+    cwd: Path | None,
+    env: dict[str, str],
+    files: list[str] | None = None,
 ) -> ExecResult:
     """Run ``argv`` under ``sb``'s limits; the whole process tree is gone when this returns.
     ``files`` are opened (read-only) for the command at fds 3, 4, ... (``Launcher.spawn``)."""
@@ -154,9 +166,19 @@ async def spawn(
     if size >= MAX_ARG_BYTES or "\0" in "".join(argv):
         # execve refuses an argument past MAX_ARG_STRLEN, and the launcher's message has a size
         # limit too: the caller's command, refused as an observation, never a node failure.
-        why = f"{size} bytes, more than the {MAX_ARG_BYTES - 1} one command may hold" if size >= MAX_ARG_BYTES else "a NUL character"
-        return ExecResult(exit_code=126, stdout="", stderr=f"[not run: the command holds {why}]", timed_out=False,
-                          duration_s=0.0, truncated=False)  # fmt: skip
+        why = (
+            f"{size} bytes, more than the {MAX_ARG_BYTES - 1} one command may hold"
+            if size >= MAX_ARG_BYTES
+            else "a NUL character"
+        )
+        return ExecResult(
+            exit_code=126,
+            stdout="",
+            stderr=f"[not run: the command holds {why}]",
+            timed_out=False,
+            duration_s=0.0,
+            truncated=False,
+        )
     t0 = time.monotonic()
     try:
         child = await sb.launcher.spawn(
@@ -172,8 +194,14 @@ async def spawn(
     except OSError as e:
         if e.errno not in (errno.EMSGSIZE, errno.E2BIG):
             raise
-        return ExecResult(exit_code=126, stdout="", stderr=f"[not run: the command is too long to start ({e.strerror})]",
-                          timed_out=False, duration_s=time.monotonic() - t0, truncated=False)  # fmt: skip
+        return ExecResult(
+            exit_code=126,
+            stdout="",
+            stderr=f"[not run: the command is too long to start ({e.strerror})]",
+            timed_out=False,
+            duration_s=time.monotonic() - t0,
+            truncated=False,
+        )
     flood = asyncio.Event()
     out = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
     err = _Capped(sb.limits.output_limit_bytes, sb.limits.output_kill_bytes, flood)
@@ -191,7 +219,7 @@ async def spawn(
     timed_out = not done
     try:  # the tree is dead, so EOF is near; never wait for it forever
         await asyncio.wait_for(readers, 2.0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         readers.cancel()
     notes = []
     if await sb.usage() > sb.limits.workspace_quota_bytes:
@@ -244,9 +272,7 @@ def _absolute(program: str) -> str:
 
 
 def _quota_note(sb: Sandbox) -> str:
-    return (
-        f"[workspace is over its {sb.limits.workspace_quota_bytes} byte quota: this sandbox runs no more commands]"
-    )
+    return f"[workspace is over its {sb.limits.workspace_quota_bytes} byte quota: this sandbox runs no more commands]"
 
 
 def _kill_group(pid: int) -> None:

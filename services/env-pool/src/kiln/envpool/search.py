@@ -92,11 +92,24 @@ async def grep(
         raise ToolCallError(f"path {args.path!r} resolves outside the workspace")
 
     argv = [
-        rg, "--no-config", "--no-heading", "--with-filename", "--line-number", "--color", "never",
-        "--no-follow", "--max-filesize", GREP_MAX_FILESIZE, "--sort", "path",
-        "--max-columns", str(max_line_chars), "--max-columns-preview",
-        "--glob", "!.tmp",
-    ]  # fmt: skip
+        rg,
+        "--no-config",
+        "--no-heading",
+        "--with-filename",
+        "--line-number",
+        "--color",
+        "never",
+        "--no-follow",
+        "--max-filesize",
+        GREP_MAX_FILESIZE,
+        "--sort",
+        "path",
+        "--max-columns",
+        str(max_line_chars),
+        "--max-columns-preview",
+        "--glob",
+        "!.tmp",
+    ]
     if args.glob:
         argv += ["--glob", args.glob]
     if args.ignore_case:
@@ -104,9 +117,13 @@ async def grep(
     argv += ["--", args.pattern, rel]
 
     proc = await asyncio.create_subprocess_exec(
-        *argv, cwd=workspace, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=1 << 20,
-    )  # fmt: skip
+        *argv,
+        cwd=workspace,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        limit=1 << 20,
+    )
     lines: list[str] = []
     err = bytearray()
     capped = False
@@ -145,7 +162,9 @@ async def grep(
             await err_task
             code = await proc.wait()
     except TimeoutError:
-        raise ToolCallError(f"grep took longer than {timeout_s:g}s and was stopped; narrow the pattern or the path") from None
+        raise ToolCallError(
+            f"grep took longer than {timeout_s:g}s and was stopped; narrow the pattern or the path"
+        ) from None
     finally:
         _kill(proc)
         err_task.cancel()
@@ -221,10 +240,37 @@ class Hit:
 
 
 _WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
-_STOP = frozenset({
-    "a", "an", "and", "are", "as", "at", "be", "by", "do", "does", "for", "from", "how", "in", "is", "it",
-    "of", "on", "or", "that", "the", "this", "to", "what", "where", "which", "with",
-})  # fmt: skip
+_STOP = frozenset(
+    {
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "by",
+        "do",
+        "does",
+        "for",
+        "from",
+        "how",
+        "in",
+        "is",
+        "it",
+        "of",
+        "on",
+        "or",
+        "that",
+        "the",
+        "this",
+        "to",
+        "what",
+        "where",
+        "which",
+        "with",
+    }
+)
 
 
 def code_tokens(text: str) -> list[str]:
@@ -544,6 +590,7 @@ class SemanticIndex:
         matrix = np.stack([found[ch.digest] for ch in chunks])
         return self._top(chunks, matrix @ q, k)
 
+
 def format_hits(method: str, hits: list[Hit]) -> str:
     """The tool's observation: the ranking on the first line, then each chunk under a
     ``--- path:start-end`` header (``read_file`` line numbers), cut at ``MAX_HIT_CHARS``."""
@@ -555,6 +602,9 @@ def format_hits(method: str, hits: list[Hit]) -> str:
         c = h.chunk
         text = c.text
         if len(text) > MAX_HIT_CHARS:
-            text = text[:MAX_HIT_CHARS] + f"\n[... chunk cut; read_file {c.path} lines {c.start_line}-{c.end_line} for all of it]"
+            text = (
+                text[:MAX_HIT_CHARS]
+                + f"\n[... chunk cut; read_file {c.path} lines {c.start_line}-{c.end_line} for all of it]"
+            )
         parts.append(f"--- {c.path}:{c.start_line}-{c.end_line} (score {h.score:.3f})\n{text}")
     return "\n".join(parts)

@@ -29,24 +29,73 @@ import tempfile
 # user namespaces (which would hand the command a full set of capabilities in them).
 DENIED = (
     # other processes' memory and registers
-    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "process_madvise",
+    "pidfd_getfd",
+    "kcmp",
     # mounts, old API and new
-    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig",
-    "fsmount", "fspick", "mount_setattr",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
     # namespaces
-    "unshare", "setns",
+    "unshare",
+    "setns",
     # kernel keyring, BPF, perf, io_uring, userfaultfd: big kernel attack surface, no use here
-    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
     # the machine itself
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
-    "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "sethostname", "setdomainname", "syslog", "vhangup", "quotactl", "quotactl_fd",
-    "lookup_dcookie", "iopl", "ioperm", "fanotify_init",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "sethostname",
+    "setdomainname",
+    "syslog",
+    "vhangup",
+    "quotactl",
+    "quotactl_fd",
+    "lookup_dcookie",
+    "iopl",
+    "ioperm",
+    "fanotify_init",
     # file handles bypass path permissions; obsolete or legacy interfaces
-    "open_by_handle_at", "name_to_handle_at", "uselib", "nfsservctl", "_sysctl", "vm86", "vm86old",
-    "create_module", "get_kernel_syms", "query_module",
-)  # fmt: skip
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "uselib",
+    "nfsservctl",
+    "_sysctl",
+    "vm86",
+    "vm86old",
+    "create_module",
+    "get_kernel_syms",
+    "query_module",
+)
 ENOSYS_ONLY = ("clone3",)
 # clone(2) flags that make a namespace (CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET)
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
@@ -70,7 +119,12 @@ class SeccompError(RuntimeError):
 
 
 class _ArgCmp(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
 
 
 @functools.cache
@@ -89,7 +143,11 @@ def _lib() -> ctypes.CDLL:
     lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     lib.seccomp_rule_add_array.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_ArgCmp)
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCmp),
     ]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.seccomp_export_pfc.argtypes = [ctypes.c_void_p, ctypes.c_int]

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from opentelemetry import trace
 
+from kiln.envpool import search
+from kiln.envpool.sandbox import Sandbox
 from kiln.shared.contracts import ToolCall, ToolResult
 from kiln.shared.tools import (
     READ_ONLY_TOOLS,
@@ -39,10 +41,6 @@ from kiln.shared.tools import (
     WriteFileArgs,
     validate_call,
 )
-
-from kiln.envpool import search
-from kiln.envpool.sandbox import Sandbox
-
 
 MUTATING_FILE_TOOLS = frozenset({"edit_file", "write_file"})
 MIN_CALL_S = 0.05
@@ -66,7 +64,9 @@ class ToolExecutor:
         self.index = index
         self.metrics = metrics
 
-    async def run_batch(self, sandbox: Sandbox, calls: list[ToolCall], timeout_s: float | None = None) -> list[ToolResult]:
+    async def run_batch(
+        self, sandbox: Sandbox, calls: list[ToolCall], timeout_s: float | None = None
+    ) -> list[ToolResult]:
         """The calls' results in order; with ``timeout_s``, within it: each command's timeout
         is cut to what is left, and a call started after it is spent is answered with an error."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -105,8 +105,12 @@ class ToolExecutor:
             else:  # file tools finish at once; grep and search are cut at what is left
                 output = await (run(sandbox, args) if left is None else asyncio.wait_for(run(sandbox, args), left))
             result = ToolResult(call_id=call.id, name=call.name, output=output)
-        except asyncio.TimeoutError:
-            result = ToolResult(call_id=call.id, name=call.name, error=f"{call.name} did not finish within this turn's time for tool calls")
+        except TimeoutError:
+            result = ToolResult(
+                call_id=call.id,
+                name=call.name,
+                error=f"{call.name} did not finish within this turn's time for tool calls",
+            )
         except (ToolCallError, OSError, UnicodeError) as e:
             if isinstance(e, ToolCallError):
                 msg = str(e)
@@ -117,7 +121,9 @@ class ToolExecutor:
             result = ToolResult(call_id=call.id, name=call.name, error=msg)
         except Exception as e:  # whatever the workspace holds, the agent gets an observation
             log.exception("tool %s failed on sandbox %s", call.name, sandbox.id)
-            result = ToolResult(call_id=call.id, name=call.name, error=f"{call.name} failed: {type(e).__name__}: {str(e)[:200]}")
+            result = ToolResult(
+                call_id=call.id, name=call.name, error=f"{call.name} failed: {type(e).__name__}: {str(e)[:200]}"
+            )
         if self.metrics is not None:
             name = call.name if call.name in READ_ONLY_TOOLS | MUTATING_FILE_TOOLS | {"run_terminal_cmd"} else "unknown"
             self.metrics.tool_calls.labels(name).inc()
@@ -155,8 +161,10 @@ class ToolExecutor:
             raise ToolCallError(f"path {_shown(path)} may not contain '..'")
         lim = sandbox.limits
         if len(str(p)) > lim.max_path_chars or len(p.parts) > lim.max_path_depth:
-            raise ToolCallError(f"path {_shown(path)} is {len(str(p))} characters and {len(p.parts)} levels long; "
-                                f"workspace paths have at most {lim.max_path_chars} characters and {lim.max_path_depth} levels")  # fmt: skip
+            raise ToolCallError(
+                f"path {_shown(path)} is {len(str(p))} characters and {len(p.parts)} levels long; "
+                f"workspace paths have at most {lim.max_path_chars} characters and {lim.max_path_depth} levels"
+            )
         if "\0" in path:
             raise ToolCallError("a path may not contain a NUL character")
         root = sandbox.workspace.resolve()

@@ -25,7 +25,15 @@ import stat
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from kiln.envpool.overlay import OPAQUE_MARKER, WHITEOUT_PREFIX, copy_upper, is_opaque, is_whiteout, make_opaque, make_whiteout
+from kiln.envpool.overlay import (
+    OPAQUE_MARKER,
+    WHITEOUT_PREFIX,
+    copy_upper,
+    is_opaque,
+    is_whiteout,
+    make_opaque,
+    make_whiteout,
+)
 from kiln.envpool.walk import Bounds, Tally, walk
 from kiln.envpool.workspace import SKIP, Changes, record_change
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class Tally:
         self.text_bytes += text_bytes
         b = self.bounds
         if not self.full and self.entries > b.max_files:
-            self.full = f"the workspace changed more than {b.max_files} files, links and folders (envpool.diff_max_files)"
+            self.full = (
+                f"the workspace changed more than {b.max_files} files, links and folders (envpool.diff_max_files)"
+            )
         elif not self.full and self.text_bytes > b.max_text_bytes:
             self.full = f"the workspace's changed text files hold more than {b.max_text_bytes} bytes (envpool.diff_max_text_bytes)"
         return not self.full

@@ -17,9 +17,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.shared.tasks import Task
-
 from kiln.envpool.walk import Bounds, Tally, walk
+from kiln.shared.tasks import Task
 
 SKIP = {".tmp"}
 """Per-command scratch that is never part of a workspace's state."""
@@ -39,7 +38,9 @@ def materialize(task: Task, dest: Path, prefix: str = "") -> None:
 
 
 def clone(src: Path, dest: Path) -> None:
-    shutil.copytree(src, dest, symlinks=True, ignore=lambda d, names: [n for n in names if n in SKIP and Path(d) == src])
+    shutil.copytree(
+        src, dest, symlinks=True, ignore=lambda d, names: [n for n in names if n in SKIP and Path(d) == src]
+    )
 
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:
@@ -131,7 +132,9 @@ def diff(template: Path, root: Path, bounds: Bounds = Bounds()) -> Changes:
             out.truncated = tally.full or f"more than {bounds.max_files} folders past the path bounds"
             return out
     out.deleted = sorted(
-        str(p.relative_to(template)) for p in template.rglob("*") if p.is_file() and str(p.relative_to(template)) not in seen
+        str(p.relative_to(template))
+        for p in template.rglob("*")
+        if p.is_file() and str(p.relative_to(template)) not in seen
     )
     out.other.sort()
     return out

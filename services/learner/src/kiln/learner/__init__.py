@@ -2,6 +2,10 @@
 
 from kiln.shared.registry import ServiceInfo
 
-SERVICE = ServiceInfo(name="learner", module="kiln.learner.main", config="kiln.learner.config:LearnerConfig", order=4,
+SERVICE = ServiceInfo(
+    name="learner",
+    module="kiln.learner.main",
+    config="kiln.learner.config:LearnerConfig",
+    order=4,
     command="kiln.learner.world:command",
 )

@@ -32,19 +32,18 @@ import logging
 import math
 import random
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from opentelemetry.context import Context
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 
+from kiln.learner.config import LearnerConfig
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, StepRecord, TaskGroup, TrajectoryRecord
 from kiln.shared.evaluation import EvalCollector
 from kiln.shared.service import ServiceContext
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.telemetry import traceparent
-
-from kiln.learner.config import LearnerConfig
 
 log = logging.getLogger("kiln.learner.controller")
 
@@ -55,7 +54,7 @@ against ``learner.max_dropped_groups``."""
 
 
 def _utc(t: datetime) -> datetime:
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)  # SQLite drops the zone
+    return t if t.tzinfo else t.replace(tzinfo=UTC)  # SQLite drops the zone
 
 
 class Controller:
@@ -110,7 +109,6 @@ class Controller:
         await self.ctx.bus.publish(c.RUN_EVENTS, c.RunEvent(run_id=self.run_id, kind=kind))
 
     def _restore(self, groups: list[TaskGroup], version: int) -> None:
-        a = self.cfg.algorithm
         self.dispatched = len(groups)
         self.dropped = sum(g.status == "dropped" for g in groups)
         self.filtered = sum(g.status == "dropped" and g.reason == NO_SIGNAL for g in groups)
@@ -118,15 +116,24 @@ class Controller:
         for g in groups:
             if g.status == "dispatched":
                 self.inflight[g.group_id] = c.RolloutRequest(
-                    run_id=self.run_id, group_id=g.group_id, task_id=g.task_id, n_samples=g.n_samples,
-                    dispatch_version=g.dispatch_version, deadline=_utc(g.deadline).timestamp(),
-                )  # fmt: skip
+                    run_id=self.run_id,
+                    group_id=g.group_id,
+                    task_id=g.task_id,
+                    n_samples=g.n_samples,
+                    dispatch_version=g.dispatch_version,
+                    deadline=_utc(g.deadline).timestamp(),
+                )
         for v in range(version + 1):
             self._recorded.setdefault(v, asyncio.Event()).set()
         log.info(
             "resuming run %s at version %d: %d groups dispatched, %d in flight, %d trained, %d dropped",
-            self.run_id, version, self.dispatched, len(self.inflight), self.trained, self.dropped,
-        )  # fmt: skip
+            self.run_id,
+            version,
+            self.dispatched,
+            len(self.inflight),
+            self.trained,
+            self.dropped,
+        )
 
     def task_for(self, index: int):
         return random.Random(f"{self.cfg.run.seed}:{index}").choice(self.tasks)
@@ -140,8 +147,12 @@ class Controller:
             return
         self.set_aside_envs[env] = reason
         left = [t for t in self.tasks if t.environment != env]
-        log.error("environment %r cannot be built: its %d tasks are set aside for this run (%s)",
-                  env, len(self.tasks) - len(left), reason)  # fmt: skip
+        log.error(
+            "environment %r cannot be built: its %d tasks are set aside for this run (%s)",
+            env,
+            len(self.tasks) - len(left),
+            reason,
+        )
         self.tasks = left
 
     async def finish_run(self, status: str = "finished", detail: str = "") -> None:
@@ -159,10 +170,11 @@ class Controller:
             await s.execute(
                 update(Run)
                 .where(Run.id == self.run_id)
-                .values(status=status, detail=detail, finished_at=datetime.now(timezone.utc))
+                .values(status=status, detail=detail, finished_at=datetime.now(UTC))
             )
         await self.ctx.bus.publish(
-            c.RUN_EVENTS, c.RunEvent(run_id=self.run_id, kind="finished" if status == "finished" else "failed", detail=detail)
+            c.RUN_EVENTS,
+            c.RunEvent(run_id=self.run_id, kind="finished" if status == "finished" else "failed", detail=detail),
         )
         self.finished.set()
 
@@ -186,7 +198,7 @@ class Controller:
                 for eval_id in self.evals.outstanding():
                     try:
                         await self.evals.wait(eval_id, e.timeout_s)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         await self.evals.expire()
             await self.finish_run()
         else:
@@ -222,7 +234,9 @@ class Controller:
         if a.mode != "april":
             return
         if len(self.inflight) > a.groups_per_step:
-            await self.ctx.bus.publish(c.ROLLOUT_CONTROL, c.RolloutControl(run_id=self.run_id, kind="abort", version=version))
+            await self.ctx.bus.publish(
+                c.ROLLOUT_CONTROL, c.RolloutControl(run_id=self.run_id, kind="abort", version=version)
+            )
         if a.april_overlaps and version < a.steps:  # after the last batch nothing more trains
             self.training = set(batch)
             await self.refill()
@@ -258,7 +272,7 @@ class Controller:
                     task_id=task.id,
                     n_samples=a.samples_per_group,
                     dispatch_version=self.published_version,
-                    deadline=datetime.fromtimestamp(deadline, timezone.utc),
+                    deadline=datetime.fromtimestamp(deadline, UTC),
                 )
             )
         self.dispatched += 1
@@ -304,14 +318,25 @@ class Controller:
         async with self.db.session() as s:
             await s.merge(
                 StepRecord(
-                    run_id=m.run_id, step=m.step, version=m.version, trajectories=m.trajectories, mean_reward=m.mean_reward,
-                    pass_rate=m.pass_rate, loss=m.loss, mean_staleness=m.mean_staleness, max_staleness=m.max_staleness,
-                    step_seconds=m.step_seconds, wait_seconds=m.wait_seconds, elapsed_seconds=m.elapsed_seconds,
+                    run_id=m.run_id,
+                    step=m.step,
+                    version=m.version,
+                    trajectories=m.trajectories,
+                    mean_reward=m.mean_reward,
+                    pass_rate=m.pass_rate,
+                    loss=m.loss,
+                    mean_staleness=m.mean_staleness,
+                    max_staleness=m.max_staleness,
+                    step_seconds=m.step_seconds,
+                    wait_seconds=m.wait_seconds,
+                    elapsed_seconds=m.elapsed_seconds,
                     metrics=m.model_dump(mode="json"),
-                )  # fmt: skip
+                )
             )
 
-    async def _end(self, group_id: str, status: str, *, reason: str | None = None, detail: str = "", trained_version=None) -> None:
+    async def _end(
+        self, group_id: str, status: str, *, reason: str | None = None, detail: str = "", trained_version=None
+    ) -> None:
         async with self.db.session() as s:
             res = await s.execute(
                 update(TaskGroup)
@@ -321,7 +346,7 @@ class Controller:
                     reason=reason,
                     detail=detail,
                     trained_version=trained_version,
-                    ended_at=datetime.now(timezone.utc),
+                    ended_at=datetime.now(UTC),
                 )
             )
         if res.rowcount != 1:

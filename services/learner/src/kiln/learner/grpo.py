@@ -63,7 +63,9 @@ KL_ESTIMATORS = {
 }
 
 
-def group_advantages(rewards: list[float], std_normalize: bool, eps: float = 1e-6, negative_weight: float = 1.0) -> list[float]:
+def group_advantages(
+    rewards: list[float], std_normalize: bool, eps: float = 1e-6, negative_weight: float = 1.0
+) -> list[float]:
     """Mean-centred (optionally std-normalised) advantages of one group, the negative ones
     scaled by ``negative_weight`` (W-REINFORCE; 1 leaves them). ``rewards`` are
     those of the group's valid samples only: an ``infra_error`` sample has no reward (its
@@ -110,7 +112,9 @@ class LossConfig:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected one of {tuple(KL_ESTIMATORS)}")
         if not 0 < self.clip_eps < 1 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
-            raise ValueError(f"clip ranges must be in (0, 1) (low) and > 0 (high): {self.clip_eps}, {self.clip_eps_high}")
+            raise ValueError(
+                f"clip ranges must be in (0, 1) (low) and > 0 (high): {self.clip_eps}, {self.clip_eps_high}"
+            )
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0: {self.kl_coef}")
 

@@ -121,9 +121,13 @@ def ray_launch(
         for i, r in enumerate(ranks):
             rank_env = {
                 **(env or {}),
-                "RANK": str(i), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local[i][0]),
-                "LOCAL_WORLD_SIZE": str(local[i][1]), "MASTER_ADDR": master_ip, "MASTER_PORT": str(port),
-            }  # fmt: skip
+                "RANK": str(i),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local[i][0]),
+                "LOCAL_WORLD_SIZE": str(local[i][1]),
+                "MASTER_ADDR": master_ip,
+                "MASTER_PORT": str(port),
+            }
             calls.append(r.run.remote(fn, rank_env, args, kwargs or {}))
         return ray.get(calls)
     finally:
@@ -190,7 +194,12 @@ def ray_followers(
     actors, pg, _, local = _placed_ranks(world - 1, cpus_per_rank, gpus_per_rank, strategy)
     try:
         refs = [
-            a.run.remote(fn, {**base, "RANK": str(i + 1), "LOCAL_RANK": str(local[i][0]), "LOCAL_WORLD_SIZE": str(local[i][1])}, args, {})
+            a.run.remote(
+                fn,
+                {**base, "RANK": str(i + 1), "LOCAL_RANK": str(local[i][0]), "LOCAL_WORLD_SIZE": str(local[i][1])},
+                args,
+                {},
+            )
             for i, a in enumerate(actors)
         ]
     except BaseException:

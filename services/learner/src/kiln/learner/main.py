@@ -20,19 +20,18 @@ import sys
 import torch.distributed as dist
 from nats.js.errors import NotFoundError
 
-from kiln.shared import contracts as c
-from kiln.shared.db import Database
-from kiln.shared.evaluation import EvalCollector
-from kiln.shared.config import load_config
-from kiln.shared.service import ServiceContext, service_main, wait_or_stop
-from kiln.shared.tasks import load_suite
-
 from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
 from kiln.learner.policy import Policy
 from kiln.learner.state import Checkpointer, checkpoint_root
-from kiln.learner.world import dims_of, follow, join, start_ray_ranks
 from kiln.learner.trainer import Trainer
+from kiln.learner.world import dims_of, follow, join, start_ray_ranks
+from kiln.shared import contracts as c
+from kiln.shared.config import load_config
+from kiln.shared.db import Database
+from kiln.shared.evaluation import EvalCollector
+from kiln.shared.service import ServiceContext, service_main, wait_or_stop
+from kiln.shared.tasks import load_suite
 
 log = logging.getLogger("kiln.learner")
 
@@ -63,7 +62,9 @@ async def serve(ctx: ServiceContext) -> None:
             await asyncio.to_thread(checkpointer.load, policy.model, policy.optimizer, policy.scheduler, meta)
             log.info("restored the learner's state after step %d (version %d)", meta.step, meta.version)
         await controller.start_run(resume_version=meta.version if meta else None)
-        log.info("policy: %d parameters, vocabulary %d", policy.model.num_parameters(), policy.tokenizer.get_vocab_size())
+        log.info(
+            "policy: %d parameters, vocabulary %d", policy.model.num_parameters(), policy.tokenizer.get_vocab_size()
+        )
         trainer = Trainer(ctx, controller, policy, checkpointer)
         await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, controller.on_published)
         if meta is None:
@@ -114,7 +115,9 @@ async def serve(ctx: ServiceContext) -> None:
         await abandoned
         await trainer.release(run_finished=controller.finished.is_set())
         if not controller.finished.is_set():
-            log.info("stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps)
+            log.info(
+                "stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps
+            )
         elif controller.outcome[0] == "failed":
             raise RuntimeError(f"run {cfg.run.id} failed: {controller.outcome[1]}")
     finally:
@@ -151,7 +154,10 @@ def follower_main(argv: list[str]) -> None:
 
 def follower(cfg: LearnerConfig) -> None:
     """Ranks 1..N-1 of a multi-rank learner: no bus, no database; rank 0 drives them."""
-    logging.basicConfig(level=cfg.telemetry.log_level, format=f"%(asctime)s %(levelname)s learner-rank{os.environ['RANK']} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.telemetry.log_level,
+        format=f"%(asctime)s %(levelname)s learner-rank{os.environ['RANK']} %(name)s: %(message)s",
+    )
     world = join(cfg)
     policy = Policy(cfg, load_suite(cfg.tasks.suite), world)
     follow(world, policy, Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep))

@@ -36,15 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.distributed.nn.functional import all_to_all_single as differentiable_all_to_all
 from torch.distributed.tensor import DTensor
 
+from kiln.learner.grpo import LossConfig, policy_loss
 from kiln.shared.model import sequence_logprobs
 from kiln.shared.model.moe import balancing_loss
-
-from kiln.learner.grpo import LossConfig, policy_loss
 
 
 @dataclass(frozen=True)
@@ -193,7 +192,9 @@ def parallelize(model: nn.Module, meshes: Meshes, dispatch: str = "hp") -> nn.Mo
     return model
 
 
-def global_load_balancing_loss(model: nn.Module, router_logits: list[torch.Tensor], token_mask: torch.Tensor) -> torch.Tensor:
+def global_load_balancing_loss(
+    model: nn.Module, router_logits: list[torch.Tensor], token_mask: torch.Tensor
+) -> torch.Tensor:
     """The model's Switch load-balancing loss over the whole world's tokens, divided by
     the world size (every rank adds it, the gradient sum counts it once)."""
     frac, prob, n = model.routing_sums(router_logits, token_mask)
@@ -297,14 +298,26 @@ def policy_gradient_step(
                 p.grad.div_(ep)
     norm = clip_grad_norm_(list(model.parameters()), max_grad_norm)
     optimizer.step()
-    sums = torch.tensor([pg_total, stats["ratio_mean"] * n, stats["clip_frac"] * n,
-                         stats.get("kl", 0.0) * n, stats.get("tis_capped_frac", 0.0) * n],
-                        device=training_device(model))  # fmt: skip
+    sums = torch.tensor(
+        [
+            pg_total,
+            stats["ratio_mean"] * n,
+            stats["clip_frac"] * n,
+            stats.get("kl", 0.0) * n,
+            stats.get("tis_capped_frac", 0.0) * n,
+        ],
+        device=training_device(model),
+    )
     if world > 1:
         dist.all_reduce(sums)
     total = max(global_tokens, 1.0)
     return {
-        "loss": float(sums[0]), "ratio_mean": float(sums[1]) / total, "clip_frac": float(sums[2]) / total,
-        "kl": float(sums[3]) / total, "tis_capped_frac": float(sums[4]) / total,
-        "aux_loss": aux_total * world, "grad_norm": float(norm), "tokens": global_tokens,
-    }  # fmt: skip
+        "loss": float(sums[0]),
+        "ratio_mean": float(sums[1]) / total,
+        "clip_frac": float(sums[2]) / total,
+        "kl": float(sums[3]) / total,
+        "tis_capped_frac": float(sums[4]) / total,
+        "aux_loss": aux_total * world,
+        "grad_norm": float(norm),
+        "tokens": global_tokens,
+    }

@@ -20,15 +20,6 @@ from pathlib import Path
 
 import torch
 
-from kiln.shared import chat
-from kiln.shared.contracts import Trajectory
-from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
-from kiln.shared.model.checkpoint import plain
-from kiln.shared.model.checkpoint import load_checkpoint
-from kiln.shared.model.tokenizer import load_tokenizer, special_id, train_tokenizer
-from kiln.shared.tasks import TaskSuite
-from kiln.shared.tools import tool_schemas
-
 from kiln.learner.config import LearnerConfig
 from kiln.learner.grpo import LossConfig, trained_token_mask
 from kiln.learner.parallel import full_state_dict, parallelize, policy_gradient_step
@@ -36,6 +27,13 @@ from kiln.learner.precision import apply_precision
 from kiln.learner.sft import warm_start
 from kiln.learner.state import checkpoint_root
 from kiln.learner.world import World
+from kiln.shared import chat
+from kiln.shared.contracts import Trajectory
+from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
+from kiln.shared.model.checkpoint import load_checkpoint, plain
+from kiln.shared.model.tokenizer import load_tokenizer, special_id, train_tokenizer
+from kiln.shared.tasks import TaskSuite
+from kiln.shared.tools import tool_schemas
 
 log = logging.getLogger("kiln.learner.policy")
 
@@ -90,7 +88,9 @@ def initial_checkpoint(cfg: LearnerConfig) -> Path:
     if name != "smollm2-moe":
         folder = Path(name).expanduser()
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"model.init_from = {name!r}: no config.json there (an HF checkpoint folder, or 'smollm2-moe')")
+            raise FileNotFoundError(
+                f"model.init_from = {name!r}: no config.json there (an HF checkpoint folder, or 'smollm2-moe')"
+            )
         return folder
     from kiln.shared.model.upcycle import upcycled_smollm2
 
@@ -98,7 +98,9 @@ def initial_checkpoint(cfg: LearnerConfig) -> Path:
     if not (dest / "config.json").is_file():
         log.info("building %s (SmolLM2-135M-Instruct upcycled to 4 experts)", dest)
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-        upcycled_smollm2(tmp, num_experts=4, top_k=2, seed=cfg.run.seed, dense_folder=dest.parent / "smollm2-135m-dense")
+        upcycled_smollm2(
+            tmp, num_experts=4, top_k=2, seed=cfg.run.seed, dense_folder=dest.parent / "smollm2-135m-dense"
+        )
         tmp.rename(dest)  # atomic: a concurrent learner sees the whole folder or none
     return dest
 
@@ -115,12 +117,16 @@ class Policy:
             special_id(self.tokenizer, chat.EOS)  # the chat format needs its end-of-turn token
             self.model = load_checkpoint(self.init_folder)
         else:
-            self.tokenizer = train_tokenizer(tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats, cfg.tasks.tools), cfg.model.vocab_size)
+            self.tokenizer = train_tokenizer(
+                tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats, cfg.tasks.tools), cfg.model.vocab_size
+            )
             # The settings name a subset of MoEConfig's fields; the vocabulary is what BPE reached.
             arch = cfg.model.model_dump(exclude={"vocab_size", "init_from", "cache_dir"})
             self.model = MoEForCausalLM(
                 MoEConfig(
-                    vocab_size=self.tokenizer.get_vocab_size(), eos_token_id=special_id(self.tokenizer, chat.EOS), **arch
+                    vocab_size=self.tokenizer.get_vocab_size(),
+                    eos_token_id=special_id(self.tokenizer, chat.EOS),
+                    **arch,
                 )
             ).init_weights(cfg.run.seed)
         lc = cfg.learner
@@ -155,9 +161,19 @@ class Policy:
             log.info("warm start: reusing %s", folder)
             return folder
         lc = self.cfg.learner
-        losses = warm_start(self.model, self.tokenizer, suite.split(self.cfg.tasks.split), steps=lc.sft_steps, lr=lc.sft_lr,
-                            batch=lc.sft_batch, seed=self.cfg.run.seed, tools=self.cfg.tasks.tools, stop_match=lc.sft_stop_match,
-                            wrong_target_rate=lc.sft_wrong_target_rate, prose_fix_rate=lc.sft_prose_fix_rate)  # fmt: skip
+        losses = warm_start(
+            self.model,
+            self.tokenizer,
+            suite.split(self.cfg.tasks.split),
+            steps=lc.sft_steps,
+            lr=lc.sft_lr,
+            batch=lc.sft_batch,
+            seed=self.cfg.run.seed,
+            tools=self.cfg.tasks.tools,
+            stop_match=lc.sft_stop_match,
+            wrong_target_rate=lc.sft_wrong_target_rate,
+            prose_fix_rate=lc.sft_prose_fix_rate,
+        )
         log.info("warm start: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
         tmp = folder.with_name(f"sft-init.tmp{os.getpid()}")
         save_checkpoint(self.model, tmp, self.tokenizer)
@@ -179,9 +195,13 @@ class Policy:
     def loss_config(self) -> LossConfig:
         a = self.cfg.algorithm
         return LossConfig(
-            loss=a.loss, clip_eps=a.clip_eps, clip_eps_high=a.clip_eps_high, tis_cap=a.tis_cap,
-            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-        )  # fmt: skip
+            loss=a.loss,
+            clip_eps=a.clip_eps,
+            clip_eps_high=a.clip_eps_high,
+            tis_cap=a.tis_cap,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+        )
 
     def train_step(self, batch: list[tuple[Trajectory, float]], version: int | None = None) -> StepStats:
         """One optimizer step on ``batch`` (trajectory, advantage); ``version`` is the
@@ -239,9 +259,17 @@ class Policy:
             if cfg.kl_coef > 0:
                 ref, _ = sequence_logprobs(self.reference(), rows["ids"], rows["attn"], a.temperature)
         out = policy_gradient_step(
-            self.model, self.optimizer, rows, global_tokens=global_tokens, loss=cfg, temperature=a.temperature,
-            max_grad_norm=self.cfg.learner.max_grad_norm, prox_logp=prox, ref_logp=ref, micro_batch=self.cfg.learner.micro_batch,
-        )  # fmt: skip
+            self.model,
+            self.optimizer,
+            rows,
+            global_tokens=global_tokens,
+            loss=cfg,
+            temperature=a.temperature,
+            max_grad_norm=self.cfg.learner.max_grad_norm,
+            prox_logp=prox,
+            ref_logp=ref,
+            micro_batch=self.cfg.learner.micro_batch,
+        )
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applied
         self.scheduler.step()
         return StepStats(
@@ -274,7 +302,9 @@ class Policy:
             else:
                 ref = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed)
             lc = self.cfg.learner
-            apply_precision(ref, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision))
+            apply_precision(
+                ref, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
+            )
             ref = ref.to(next(self.model.parameters()).device).eval()
             for p in ref.parameters():
                 p.requires_grad_(False)

@@ -75,9 +75,14 @@ def mxfp8_grouped_gemm(
     pref, mode = _ao_enums(kernel, scale_mode)
     # torchao's MXFP8 grouped GEMMs produce bf16 (its emulated path requires it too).
     return _to_mxfp8_then_scaled_grouped_mm(
-        x, w_t, offs=offs, out_dtype=torch.bfloat16, kernel_preference=pref,
-        scale_calculation_mode=mode, pad_token_groups_for_grouped_mm=True,
-    ).to(x.dtype)  # fmt: skip
+        x,
+        w_t,
+        offs=offs,
+        out_dtype=torch.bfloat16,
+        kernel_preference=pref,
+        scale_calculation_mode=mode,
+        pad_token_groups_for_grouped_mm=True,
+    ).to(x.dtype)
 
 
 def pad_groups(x: torch.Tensor, offs: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +120,9 @@ def _fp8_grouped_gemm_runs(device: torch.device) -> str | None:
     w = torch.randn(2, 32, 32, generator=g).to(device, torch.bfloat16).requires_grad_()
     try:
         with torch.enable_grad():
-            y = fp8_rowwise_grouped_gemm(x, w.transpose(-2, -1), torch.tensor([8, 40], dtype=torch.int32, device=device))
+            y = fp8_rowwise_grouped_gemm(
+                x, w.transpose(-2, -1), torch.tensor([8, 40], dtype=torch.int32, device=device)
+            )
             y.float().square().sum().backward()
     # torchao reports a missing Triton as NotImplementedError, a missing CUDA
     # capability as RuntimeError/AssertionError: all mean "not here".
@@ -210,6 +217,8 @@ def apply_precision(
         if why_not is not None:
             log.warning(
                 "fp8_rowwise: torchao's FP8 rowwise grouped GEMM does not run on %s (%s): the routed experts stay in %s",
-                device, why_not, dtype,
-            )  # fmt: skip
+                device,
+                why_not,
+                dtype,
+            )
     return summary

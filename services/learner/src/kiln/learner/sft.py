@@ -29,12 +29,12 @@ the split the run trains on are demonstrated, never held-out ones.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
 import json
 import logging
 import random
 import re
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -96,7 +96,9 @@ def prose_fix_demonstration(task: Task) -> list[tuple[str, str]] | None:
     if edit is None:
         return None
     path, old, new = edit
-    return demonstration(task, edit)[:1] + [(f"The fix is to replace `{old.strip()}` with `{new.strip()}` in `{path}`.", "")]
+    return demonstration(task, edit)[:1] + [
+        (f"The fix is to replace `{old.strip()}` with `{new.strip()}` in `{path}`.", "")
+    ]
 
 
 def demonstration(task: Task, edit: tuple[str, str, str] | None = None) -> list[tuple[str, str]] | None:
@@ -113,12 +115,18 @@ def demonstration(task: Task, edit: tuple[str, str, str] | None = None) -> list[
     ]
 
 
-def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequence[str] = ()) -> tuple[list[int], list[int]]:
+def encode(
+    task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequence[str] = ()
+) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a demonstration, built as ``kiln.rollout.agent`` builds an
     episode offered ``tools`` (all when empty)."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
     eos = special_id(tok, chat.EOS)
-    ids = enc(chat.render_system(chat.SYSTEM_PROMPT, tool_schemas(tools)) + chat.render_user(task.problem_statement) + chat.assistant_prefix())
+    ids = enc(
+        chat.render_system(chat.SYSTEM_PROMPT, tool_schemas(tools))
+        + chat.render_user(task.problem_statement)
+        + chat.assistant_prefix()
+    )
     mask = [0] * len(ids)
     for text, obs in turns:
         out = enc(text) + [eos]
@@ -131,8 +139,19 @@ def encode(task: Task, turns: list[tuple[str, str]], tok: Tokenizer, tools: Sequ
 
 
 def warm_start(
-    model: MoEForCausalLM, tok: Tokenizer, tasks: list[Task], *, steps: int, lr: float, batch: int, seed: int, tools: Sequence[str] = (),
-    stop_match: float = 0.0, wrong_target_rate: float = 0.0, prose_fix_rate: float = 0.0, on_step: Callable[[int, list[float]], None] | None = None,
+    model: MoEForCausalLM,
+    tok: Tokenizer,
+    tasks: list[Task],
+    *,
+    steps: int,
+    lr: float,
+    batch: int,
+    seed: int,
+    tools: Sequence[str] = (),
+    stop_match: float = 0.0,
+    wrong_target_rate: float = 0.0,
+    prose_fix_rate: float = 0.0,
+    on_step: Callable[[int, list[float]], None] | None = None,
 ) -> list[float]:
     """``steps`` AdamW steps of next-token cross-entropy on the demonstrations' assistant
     tokens (a fresh optimizer: RL starts with its own), with the system prompt offering
@@ -152,7 +171,9 @@ def warm_start(
     evaluates the policy along the way). Returns the loss per step."""
     missing = [n for n in DEMONSTRATED_TOOLS if n not in offered(tools)]
     if missing:
-        raise ValueError(f"the warm start demonstrates {', '.join(DEMONSTRATED_TOOLS)} but tasks.tools does not offer {', '.join(missing)}")
+        raise ValueError(
+            f"the warm start demonstrates {', '.join(DEMONSTRATED_TOOLS)} but tasks.tools does not offer {', '.join(missing)}"
+        )
     data = [
         (
             encode(t, d, tok, tools),
@@ -163,7 +184,9 @@ def warm_start(
         if (d := demonstration(t)) is not None
     ]
     # Position (in the shifted targets) of the token where applying and telling part.
-    choice = [None if p is None else next(i for i, (a, b) in enumerate(zip(e[0], p[0])) if a != b) - 1 for e, _, p in data]
+    choice = [
+        None if p is None else next(i for i, (a, b) in enumerate(zip(e[0], p[0])) if a != b) - 1 for e, _, p in data
+    ]
     if not data:
         raise ValueError("no task of the training split has a reference solution to demonstrate")
     rng = random.Random(seed)
@@ -183,7 +206,9 @@ def warm_start(
         for i in range(batch):
             k = rng.randrange(len(data))
             expert, wrong, prose = data[k]
-            rows.append(prose if i < told else wrong if wrong is not None and rng.random() < wrong_target_rate else expert)
+            rows.append(
+                prose if i < told else wrong if wrong is not None and rng.random() < wrong_target_rate else expert
+            )
             skips.append(choice[k])
         n = max(len(ids) for ids, _ in rows)
         n = -(-n // 32) * 32  # MX blocks run along the token dimension
@@ -215,9 +240,21 @@ def warm_start(
         match = sum(recent) / len(recent)
         reached = stop_match > 0 and len(losses) >= STOP_WINDOW and match >= stop_match
         if step % 50 == 0 or step == steps - 1 or reached:
-            log.info("sft step %d/%d: loss %.4f, reproduced %.0f%% (%.0fs)", step + 1, steps, losses[-1], 100 * match, time.monotonic() - t0)
+            log.info(
+                "sft step %d/%d: loss %.4f, reproduced %.0f%% (%.0fs)",
+                step + 1,
+                steps,
+                losses[-1],
+                100 * match,
+                time.monotonic() - t0,
+            )
         if reached:
-            log.info("sft: %.0f%% of the last %d demonstrations reproduced: warm start ends at step %d", 100 * match, len(recent), step + 1)
+            log.info(
+                "sft: %.0f%% of the last %d demonstrations reproduced: warm start ends at step %d",
+                100 * match,
+                len(recent),
+                step + 1,
+            )
             break
     model.eval()
     return losses

@@ -32,23 +32,24 @@ from pathlib import Path
 
 from opentelemetry import trace
 
+from kiln.learner.config import LearnerConfig
+from kiln.learner.controller import NO_SIGNAL, Controller
+from kiln.learner.grpo import group_advantages
+from kiln.learner.policy import Policy
+from kiln.learner.state import Checkpointer, Meta
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery
 from kiln.shared.service import ServiceContext
 from kiln.shared.telemetry import extract_context
 from kiln.shared.weights.manifest import file_infos
 
-from kiln.learner.config import LearnerConfig
-from kiln.learner.controller import NO_SIGNAL, Controller
-from kiln.learner.grpo import group_advantages
-from kiln.learner.policy import Policy
-from kiln.learner.state import Checkpointer, Meta
-
 log = logging.getLogger("kiln.learner.trainer")
 
 
 class Trainer:
-    def __init__(self, ctx: ServiceContext, controller: Controller, policy: Policy, checkpointer: Checkpointer | None = None):
+    def __init__(
+        self, ctx: ServiceContext, controller: Controller, policy: Policy, checkpointer: Checkpointer | None = None
+    ):
         self.ctx = ctx
         self.cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
         self.controller = controller
@@ -100,7 +101,12 @@ class Trainer:
         await self.ctx.bus.publish(
             c.WEIGHTS_CHECKPOINT,
             c.PolicyCheckpoint(
-                run_id=self.cfg.run.id, version=version, step=self.step, parent_version=parent, path=str(folder), files=files
+                run_id=self.cfg.run.id,
+                version=version,
+                step=self.step,
+                parent_version=parent,
+                path=str(folder),
+                files=files,
             ),
             msg_id=f"{self.cfg.run.id}-ckpt-v{version}",
         )
@@ -111,7 +117,9 @@ class Trainer:
             p.world.announce("checkpoint", meta)
             self.checkpointer.save(p.model, p.optimizer, p.scheduler, meta, asynchronous=False)
         else:
-            self.checkpointer.save(p.model, p.optimizer, p.scheduler, meta, asynchronous=self.cfg.learner.checkpoint_async)
+            self.checkpointer.save(
+                p.model, p.optimizer, p.scheduler, meta, asynchronous=self.cfg.learner.checkpoint_async
+            )
 
     async def on_scored(self, scored: c.ScoredTrajectory, delivery: Delivery) -> None:
         async with self._lock:
@@ -141,7 +149,11 @@ class Trainer:
     async def on_abandoned(self, msg: c.GroupAbandoned) -> None:
         """Rollout gave up on a group (stale partials): drop it, releasing what we hold."""
         async with self._lock:
-            if msg.run_id == self.cfg.run.id and self.controller.is_inflight(msg.group_id) and msg.group_id not in self.ready:
+            if (
+                msg.run_id == self.cfg.run.id
+                and self.controller.is_inflight(msg.group_id)
+                and msg.group_id not in self.ready
+            ):
                 await self._drop(msg.group_id, msg.reason, msg.detail)
 
     async def _group_complete(self, gid: str) -> None:
@@ -154,7 +166,9 @@ class Trainer:
             await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
             if not self.controller.tasks:
                 why = "; ".join(f"{e}: {r}" for e, r in self.controller.set_aside_envs.items())
-                await self.controller.finish_run("failed", f"no task left to dispatch: environments cannot be built ({why})")
+                await self.controller.finish_run(
+                    "failed", f"no task left to dispatch: environments cannot be built ({why})"
+                )
             return
         if await self._drop_if_stale(gid):
             return
@@ -185,7 +199,9 @@ class Trainer:
     async def _drop_if_stale(self, gid: str) -> bool:
         a = self.cfg.algorithm
         limit = 0 if a.mode == "sync" else a.max_staleness
-        versions = [v for s, _ in self.pending[gid].values() if not s.infra_error for v in s.trajectory.generated_versions()]
+        versions = [
+            v for s, _ in self.pending[gid].values() if not s.infra_error for v in s.trajectory.generated_versions()
+        ]
         # Counted against the version this learner trains now, so queue time counts too.
         lag = self.step - min(versions) if versions else 0
         if lag > limit:
@@ -217,7 +233,9 @@ class Trainer:
             used += entries
             valid = [s for s, _ in entries if not s.infra_error]
             infra += len(entries) - len(valid)
-            for s, adv in zip(valid, group_advantages([s.reward for s in valid], a.std_normalize, negative_weight=a.negative_weight)):
+            for s, adv in zip(
+                valid, group_advantages([s.reward for s in valid], a.std_normalize, negative_weight=a.negative_weight)
+            ):
                 batch.append((s.trajectory, adv))
                 rewards.append(s.reward)
                 passes.append(s.passed)
@@ -258,10 +276,12 @@ class Trainer:
                 # The step's metrics ride in its checkpoint: a learner killed after the
                 # commit but before the ``steps`` row is written writes it on resume.
                 meta = Meta(
-                    step=self.step, version=version, trained_groups=groups,
+                    step=self.step,
+                    version=version,
+                    trained_groups=groups,
                     trained_trajectories=[s.trajectory.trajectory_id for s, _ in used],
                     metrics=metrics.model_dump(mode="json"),
-                )  # fmt: skip
+                )
                 await asyncio.to_thread(self._checkpoint, meta)
                 committed = self.checkpointer.wait  # the DCP files are written while the version is staged
             await self._hand_over(version, parent=version - 1, committed=committed)
@@ -282,8 +302,14 @@ class Trainer:
         self.controller.step_recorded(version)
         log.info(
             "step %d -> version %d: %d trajectories, reward %.3f, pass %.2f, loss %.4f (%.2fs, waited %.2fs)",
-            metrics.step, version, metrics.trajectories, metrics.mean_reward, metrics.pass_rate, stats.loss,
-            stats.seconds, waited,
+            metrics.step,
+            version,
+            metrics.trajectories,
+            metrics.mean_reward,
+            metrics.pass_rate,
+            stats.loss,
+            stats.seconds,
+            waited,
         )
         self.idle_since = time.monotonic()
         self.filtered_this_step = 0

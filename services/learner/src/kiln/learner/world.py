@@ -99,6 +99,7 @@ def start_ray_ranks(cfg):
     import ray
 
     from kiln.learner.launch import ray_followers
+
     # Imported by its name, not taken from the running ``__main__``: Ray pickles a
     # function of an importable module by reference, one of ``__main__`` by value.
     from kiln.learner.main import follower
@@ -106,15 +107,23 @@ def start_ray_ranks(cfg):
     lc = cfg.learner
     if not ray.is_initialized():
         ray.init(address=lc.ray_address, log_to_driver=True)
-    shipped = cfg.model_copy(update={
-        "nats": cfg.nats.model_copy(update={"user": "", "password": ""}),
-        "database": cfg.database.model_copy(update={"url": ""}),
-    })  # fmt: skip
+    shipped = cfg.model_copy(
+        update={
+            "nats": cfg.nats.model_copy(update={"user": "", "password": ""}),
+            "database": cfg.database.model_copy(update={"url": ""}),
+        }
+    )
     return ray_followers(
-        follower, dims_of(cfg).world, args=(shipped,), cpus_per_rank=lc.ray_cpus_per_rank, gpus_per_rank=lc.ray_gpus_per_rank,
-        strategy=lc.ray_strategy, env={"OMP_NUM_THREADS": str(lc.torch_threads)}, master_addr=lc.rendezvous_host,
+        follower,
+        dims_of(cfg).world,
+        args=(shipped,),
+        cpus_per_rank=lc.ray_cpus_per_rank,
+        gpus_per_rank=lc.ray_gpus_per_rank,
+        strategy=lc.ray_strategy,
+        env={"OMP_NUM_THREADS": str(lc.torch_threads)},
+        master_addr=lc.rendezvous_host,
         master_port=lc.rendezvous_port,
-    )  # fmt: skip
+    )
 
 
 def command(cfg, module: str) -> list[str]:

@@ -43,8 +43,14 @@ from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task
 from kiln.shared.tasks.protect import CleanRoomPlan, plan, protection, revert_config_changes
 from kiln.shared.tasks.testrun import (
-    ReportProblem, RunnerReport, UnsupportedTestCommand, case_statuses, read_report, runner_command, runner_spec,
-)  # fmt: skip
+    ReportProblem,
+    RunnerReport,
+    UnsupportedTestCommand,
+    case_statuses,
+    read_report,
+    runner_command,
+    runner_spec,
+)
 
 log = logging.getLogger("kiln.reward.cleanroom")
 
@@ -109,7 +115,9 @@ class CleanRoom:
         room_plan = plan(protection(list(task.test_files), task.protected), diff)
         if diff.truncated:  # the workspace cannot be rebuilt from it: the trajectory's own doing
             integrity = c.Integrity(protected=dict(room_plan.protected), not_reproduced=room_plan.not_reproduced)
-            return self._not_run(task, c.Failure.NOT_APPLIED, f"the workspace's diff is incomplete: {diff.truncated}", integrity)
+            return self._not_run(
+                task, c.Failure.NOT_APPLIED, f"the workspace's diff is incomplete: {diff.truncated}", integrity
+            )
         ref = await self._create(task, traj.run_id)
         try:
             return await self._run(ref, task, room_plan, traj.run_id)
@@ -143,8 +151,11 @@ class CleanRoom:
             if problem:
                 return self._not_run(task, c.Failure.NOT_APPLIED, problem, integrity)
             ids = task.fail_to_pass + task.pass_to_pass
-            result = await self.envpool.exec(ref, runner_command(task.test_command, ids, task.timeout_s, task.test_files),
-                                             task.timeout_s + self.grace_s)  # fmt: skip
+            result = await self.envpool.exec(
+                ref,
+                runner_command(task.test_command, ids, task.timeout_s, task.test_files),
+                task.timeout_s + self.grace_s,
+            )
         except RemoteError as e:
             raise InfraError(f"the clean room failed: {e}") from None
         except UnsupportedTestCommand as e:  # the task's, not the trajectory's (too many ids)
@@ -160,22 +171,38 @@ class CleanRoom:
         tests = case_statuses(report, ids)
         verdict = Verdict(tests, None, "", integrity, report, output, report.timed_out)
         if report.tampered:
-            verdict.failure, verdict.detail = c.Failure.TAMPERED, "the tests' code replaced " + ", ".join(report.tampered)
+            verdict.failure, verdict.detail = (
+                c.Failure.TAMPERED,
+                "the tests' code replaced " + ", ".join(report.tampered),
+            )
         elif report.timed_out:
             verdict.failure, verdict.detail = c.Failure.TIMEOUT, f"the test run passed its {task.timeout_s:g}s timeout"
         elif not report.completed:
-            how = f"signal {report.child_signal}" if report.child_signal is not None else f"exit code {report.child_exit}"
+            how = (
+                f"signal {report.child_signal}" if report.child_signal is not None else f"exit code {report.child_exit}"
+            )
             last = "; ".join(f"{w}: {m}" for w, m in report.errors[-2:])
-            verdict.failure, verdict.detail = c.Failure.INCOMPLETE, f"the test process ended early ({how}){': ' + last if last else ''}"
+            verdict.failure, verdict.detail = (
+                c.Failure.INCOMPLETE,
+                f"the test process ended early ({how}){': ' + last if last else ''}",
+            )
         elif any(s != c.CaseStatus.PASSED for s in tests.values()):
             bad = [t for t, s in tests.items() if s != c.CaseStatus.PASSED]
-            verdict.failure, verdict.detail = c.Failure.TESTS_FAILED, f"{len(bad)} of {len(ids)} tests did not pass: {', '.join(bad[:5])}"
+            verdict.failure, verdict.detail = (
+                c.Failure.TESTS_FAILED,
+                f"{len(bad)} of {len(ids)} tests did not pass: {', '.join(bad[:5])}",
+            )
         elif integrity.protected and task.protected_touch == "fail":
-            verdict.failure, verdict.detail = c.Failure.PROTECTED, "changed protected paths: " + ", ".join(sorted(integrity.protected)[:5])
+            verdict.failure, verdict.detail = (
+                c.Failure.PROTECTED,
+                "changed protected paths: " + ", ".join(sorted(integrity.protected)[:5]),
+            )
         return verdict
 
     @staticmethod
-    def _not_run(task: Task, failure: c.Failure, detail: str, integrity: c.Integrity, output: str = "", timed_out=False) -> Verdict:
+    def _not_run(
+        task: Task, failure: c.Failure, detail: str, integrity: c.Integrity, output: str = "", timed_out=False
+    ) -> Verdict:
         ids = task.fail_to_pass + task.pass_to_pass
         return Verdict({t: c.CaseStatus.MISSING for t in ids}, failure, detail, integrity, None, output, timed_out)
 
@@ -192,7 +219,7 @@ class CleanRoom:
 
     async def _read_batch(self, ref: c.SandboxRef, paths: list[str]) -> dict[str, str | None]:
         quoted = " ".join(shlex.quote(p) for p in paths)
-        script = f"for f in {quoted}; do if [ -f \"$f\" ]; then printf '%s\\0' \"$f\"; base64 -w0 < \"$f\"; printf '\\0'; fi; done"
+        script = f'for f in {quoted}; do if [ -f "$f" ]; then printf \'%s\\0\' "$f"; base64 -w0 < "$f"; printf \'\\0\'; fi; done'
         res = await self.envpool.exec(ref, script, 30)
         if res.truncated and len(paths) > 1:  # more than one command's output holds: one file at a time
             out: dict[str, str | None] = {}
@@ -204,7 +231,9 @@ class CleanRoom:
         for name, data in zip(parts[0::2], parts[1::2]):
             if name in out:
                 try:
-                    out[name] = UNREADABLE if res.truncated else base64.b64decode(data, validate=True).decode(errors="replace")
+                    out[name] = (
+                        UNREADABLE if res.truncated else base64.b64decode(data, validate=True).decode(errors="replace")
+                    )
                 except binascii.Error:
                     out[name] = UNREADABLE
         return out
@@ -219,10 +248,14 @@ class CleanRoom:
             res = await self.envpool.exec(ref, "rm -rf -- " + " ".join(batch), 60)
             if res.exit_code != 0:
                 return f"could not delete {', '.join(room.deleted[:5])}: {(res.stderr or res.stdout)[-300:]}"
-        calls = [c.ToolCall(id=f"apply-{i}", name="write_file", arguments={"path": p, "content": t})
-                 for i, (p, t) in enumerate(sorted(room.changed.items()))]  # fmt: skip
-        calls += [c.ToolCall(id=f"tests-{i}", name="write_file", arguments={"path": p, "content": t})
-                  for i, (p, t) in enumerate(sorted(task.test_files.items()))]  # fmt: skip
+        calls = [
+            c.ToolCall(id=f"apply-{i}", name="write_file", arguments={"path": p, "content": t})
+            for i, (p, t) in enumerate(sorted(room.changed.items()))
+        ]
+        calls += [
+            c.ToolCall(id=f"tests-{i}", name="write_file", arguments={"path": p, "content": t})
+            for i, (p, t) in enumerate(sorted(task.test_files.items()))
+        ]
         for call, r in zip(calls, await self.envpool.tools(ref, calls) if calls else []):
             if r.error:
                 what = "the change to" if call.id.startswith("apply") else "the task's test file"
@@ -238,10 +271,16 @@ class CleanRoom:
             if await self._apply(ref, task, CleanRoomPlan()):
                 raise InfraError(f"kiln cannot write task {task.id}'s test files into its pristine repository")
             ids = task.fail_to_pass + task.pass_to_pass
-            res = await self.envpool.exec(ref, runner_command(task.test_command, ids, task.timeout_s, task.test_files), task.timeout_s + self.grace_s)
+            res = await self.envpool.exec(
+                ref,
+                runner_command(task.test_command, ids, task.timeout_s, task.test_files),
+                task.timeout_s + self.grace_s,
+            )
             read_report(res.stdout, ids)
         except ReportProblem as e:
-            raise InfraError(f"kiln's test runner fails on task {task.id}'s pristine repository: {e}: {res.stderr[-300:]}") from None
+            raise InfraError(
+                f"kiln's test runner fails on task {task.id}'s pristine repository: {e}: {res.stderr[-300:]}"
+            ) from None
         except RemoteError as e:
             raise InfraError(f"checking the runner on the pristine repository failed: {e}") from None
         finally:

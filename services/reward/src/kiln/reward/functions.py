@@ -11,9 +11,9 @@ terms (``reward.shaping``) are added on top and recorded separately
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Callable
 
 from kiln.shared.contracts import CaseStatus, Trajectory
 

@@ -8,13 +8,12 @@ and publishes a ``ScoredTrajectory`` for the learner.
 
 from __future__ import annotations
 
+from kiln.reward.config import RewardConfig
+from kiln.reward.service import Scorer
 from kiln.shared import contracts as c
 from kiln.shared.db import Database
 from kiln.shared.service import ServiceContext, service_main
 from kiln.shared.tasks import load_suite
-
-from kiln.reward.config import RewardConfig
-from kiln.reward.service import Scorer
 
 
 async def serve(ctx: ServiceContext) -> None:
@@ -25,7 +24,12 @@ async def serve(ctx: ServiceContext) -> None:
         scorer = Scorer(ctx, db, load_suite(cfg.tasks.suite))
         await scorer.start()
         await ctx.bus.consume(
-            c.REWARD_WORKERS, c.Trajectory, scorer.on_trajectory, stop=ctx.stop, concurrency=cfg.reward.concurrency, ready=ctx.ready
+            c.REWARD_WORKERS,
+            c.Trajectory,
+            scorer.on_trajectory,
+            stop=ctx.stop,
+            concurrency=cfg.reward.concurrency,
+            ready=ctx.ready,
         )
     finally:
         if scorer is not None:

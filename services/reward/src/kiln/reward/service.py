@@ -29,6 +29,9 @@ import time
 from psycopg.errors import ForeignKeyViolation
 from sqlalchemy.exc import DataError, IntegrityError
 
+from kiln.reward.cleanroom import CleanRoom, InfraError, Verdict
+from kiln.reward.config import RewardConfig
+from kiln.reward.functions import TestResults, resolve, shaping
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, RemoteError
 from kiln.shared.db import Database, TrajectoryRecord
@@ -37,10 +40,6 @@ from kiln.shared.service import ServiceContext
 from kiln.shared.tasks import TaskSuite
 from kiln.shared.tasks.testrun import UnsupportedTestCommand, runner_spec
 from kiln.shared.telemetry import trace_id_hex
-
-from kiln.reward.cleanroom import CleanRoom, InfraError, Verdict
-from kiln.reward.config import RewardConfig
-from kiln.reward.functions import TestResults, resolve, shaping
 
 log = logging.getLogger("kiln.reward")
 
@@ -62,13 +61,17 @@ class Scorer:
             except UnsupportedTestCommand as e:
                 unsupported.append(f"{task.id}: {e}")
         if unsupported:
-            raise UnsupportedTestCommand(f"{len(unsupported)} tasks of {suite.source} cannot be scored: " + "; ".join(unsupported[:5]))
+            raise UnsupportedTestCommand(
+                f"{len(unsupported)} tasks of {suite.source} cannot be scored: " + "; ".join(unsupported[:5])
+            )
         self.reward_fn = resolve(self.cfg.reward.function)
         self.logs = None
         self.scored = 0
 
     async def start(self) -> None:
-        self.logs = await self.ctx.bus.object_store(LOGS_BUCKET, ttl_s=self.cfg.reward.logs_ttl_s, description="test logs")
+        self.logs = await self.ctx.bus.object_store(
+            LOGS_BUCKET, ttl_s=self.cfg.reward.logs_ttl_s, description="test logs"
+        )
 
     async def on_trajectory(self, traj: c.Trajectory, delivery: Delivery) -> None:
         # The agent's sandbox plays no part in the score once its diff is in hand: it goes
@@ -102,7 +105,9 @@ class Scorer:
                 log_key = await self._store_log(traj.trajectory_id, full_output)
                 try:
                     await self._record(scored, log_key)
-                except DataError as e:  # an id too long, a number out of range (text is cleaned: db/types.py): retrying cannot help
+                except (
+                    DataError
+                ) as e:  # an id too long, a number out of range (text is cleaned: db/types.py): retrying cannot help
                     raise Reject(f"cannot record {traj.trajectory_id[:200]!r}: {e.orig}") from None
                 except IntegrityError as e:
                     # A run that has no row never will (the controller writes it before any
@@ -146,8 +151,11 @@ class Scorer:
             raise Reject(str(e)) from None
         if traj.finish_reason in c.HARNESS_FAILURES:  # nothing to test: a failure, never an escape from one
             ids = task.fail_to_pass + task.pass_to_pass
-            verdict = Verdict({t: c.CaseStatus.MISSING for t in ids}, c.Failure.HARNESS,
-                              f"the harness ended with {traj.finish_reason}: {traj.harness_log[-300:]}")  # fmt: skip
+            verdict = Verdict(
+                {t: c.CaseStatus.MISSING for t in ids},
+                c.Failure.HARNESS,
+                f"the harness ended with {traj.finish_reason}: {traj.harness_log[-300:]}",
+            )
         else:
             try:
                 verdict = await self.room.judge(traj, task)
@@ -177,7 +185,9 @@ class Scorer:
     async def _store_log(self, trajectory_id: str, output: str) -> str:
         if not output or self.logs is None:
             return ""
-        await self.logs.put(trajectory_id, output.encode(errors="surrogatepass"))  # every character kept, whatever it is
+        await self.logs.put(
+            trajectory_id, output.encode(errors="surrogatepass")
+        )  # every character kept, whatever it is
         return trajectory_id
 
     async def _record(self, s: c.ScoredTrajectory, log_key: str) -> None:

@@ -48,6 +48,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from kiln.rollout.config import RolloutSettings
+from kiln.rollout.engine import InferenceEngine
+from kiln.rollout.episode import Budget, Episode, Suspended, as_openai
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.bus import RemoteError
@@ -55,10 +58,6 @@ from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task
 from kiln.shared.toolformats import tool_format
 from kiln.shared.tools import ToolCallError, tool_schemas, validate_call
-
-from kiln.rollout.config import RolloutSettings
-from kiln.rollout.engine import InferenceEngine
-from kiln.rollout.episode import Budget, Episode, Suspended, as_openai
 
 log = logging.getLogger("kiln.rollout.agent")
 
@@ -102,18 +101,39 @@ def clip_text(text: str, limit: int) -> str:
 class AgentLoop:
     """One episode of kiln's own agent, its state in fields (so it can be suspended)."""
 
-    def __init__(self, spec: EpisodeSpec, engine: InferenceEngine, tokenizer: Tokenizer, envpool: EnvPoolClient,
-                 settings: RolloutSettings, tracer: trace.Tracer, suspend: asyncio.Event | None):  # fmt: skip
+    def __init__(
+        self,
+        spec: EpisodeSpec,
+        engine: InferenceEngine,
+        tokenizer: Tokenizer,
+        envpool: EnvPoolClient,
+        settings: RolloutSettings,
+        tracer: trace.Tracer,
+        suspend: asyncio.Event | None,
+    ):
         req = spec.request
         self.spec, self.engine, self.envpool, self.settings, self.tracer = spec, engine, envpool, settings, tracer
         self.suspend = suspend
         self.format = tool_format(settings.harness.tool_format)
         self.tools = tool_schemas(spec.tools)
         self.trajectory_id = f"{req.group_id}-s{spec.sample_index}"
-        budget = Budget(max_generated_tokens=settings.max_total_tokens, max_calls=settings.max_turns, deadline=req.deadline,
-                        max_tokens_per_call=settings.max_new_tokens, max_context_tokens=settings.max_total_tokens)  # fmt: skip
-        self.episode = Episode(self.trajectory_id, engine, tokenizer, self.format, budget, seed=spec.seed,
-                               temperature=spec.temperature, wait_resume=None)  # fmt: skip
+        budget = Budget(
+            max_generated_tokens=settings.max_total_tokens,
+            max_calls=settings.max_turns,
+            deadline=req.deadline,
+            max_tokens_per_call=settings.max_new_tokens,
+            max_context_tokens=settings.max_total_tokens,
+        )
+        self.episode = Episode(
+            self.trajectory_id,
+            engine,
+            tokenizer,
+            self.format,
+            budget,
+            seed=spec.seed,
+            temperature=spec.temperature,
+            wait_resume=None,
+        )
         self.messages: list[c.ChatMessage] = []
         self.openai: list[dict] = []
         """``messages`` as the episode reads them (kept alongside: each is converted once)."""
@@ -183,12 +203,22 @@ class AgentLoop:
                 finish = "deadline"
                 break
             oldest = ep.oldest()
-            if spec.max_staleness is not None and oldest is not None and self.engine.version - oldest > spec.max_staleness:
+            if (
+                spec.max_staleness is not None
+                and oldest is not None
+                and self.engine.version - oldest > spec.max_staleness
+            ):
                 await self.lease()
-                return Stale(spec.sample_index, f"oldest token is {self.engine.version - oldest} versions old (max {spec.max_staleness})", self.sandbox)
+                return Stale(
+                    spec.sample_index,
+                    f"oldest token is {self.engine.version - oldest} versions old (max {spec.max_staleness})",
+                    self.sandbox,
+                )
             if self.suspend is not None and self.suspend.is_set():
                 return await self.suspended()
-            with self.tracer.start_as_current_span("rollout.generate", attributes={"turn": self.turns, "resumed_tokens": ep.pending_tokens()}) as span:
+            with self.tracer.start_as_current_span(
+                "rollout.generate", attributes={"turn": self.turns, "resumed_tokens": ep.pending_tokens()}
+            ) as span:
                 try:
                     (choice,) = (await ep.generate(self.tools)).choices
                 except Suspended:
@@ -200,19 +230,34 @@ class AgentLoop:
                 span.set_attribute("finish_reason", choice.finish)
             self.turns += 1
             parsed = choice.calls
-            self.add(c.ChatMessage(
-                role="assistant", content=choice.text, version=comp.versions[-1] if comp.ids else self.engine.version,
-                tool_calls=[c.ToolCall(id=p.id, name=p.name or "?", arguments=p.arguments if isinstance(p.arguments, dict) else {}) for p in parsed],
-            ))  # fmt: skip
+            self.add(
+                c.ChatMessage(
+                    role="assistant",
+                    content=choice.text,
+                    version=comp.versions[-1] if comp.ids else self.engine.version,
+                    tool_calls=[
+                        c.ToolCall(
+                            id=p.id, name=p.name or "?", arguments=p.arguments if isinstance(p.arguments, dict) else {}
+                        )
+                        for p in parsed
+                    ],
+                )
+            )
             if not parsed:
                 finish = "no_tool_call"
                 break
             try:
                 results = await self.run_tools(parsed)
             except RemoteError as e:
-                return self.trajectory(c.TrajectoryStatus.INFRA_ERROR, "error", infra_error=f"tool execution failed: {e}")
+                return self.trajectory(
+                    c.TrajectoryStatus.INFRA_ERROR, "error", infra_error=f"tool execution failed: {e}"
+                )
             for p in parsed:
-                self.add(c.ChatMessage(role="tool", content=clip_text(results[p.id], s.max_observation_chars), tool_call_id=p.id))
+                self.add(
+                    c.ChatMessage(
+                        role="tool", content=clip_text(results[p.id], s.max_observation_chars), tool_call_id=p.id
+                    )
+                )
         ep.finish(close=True)  # the last turn closes the way the chat template closes it
         await self.lease()
         try:  # the final workspace as a diff: reward can rebuild it if the sandbox is lost
@@ -249,26 +294,57 @@ class AgentLoop:
         await self.lease()
         seq, turn_tokens, state = self.episode.snapshot()
         return c.PartialSample(
-            sample_index=self.spec.sample_index, token_ids=seq.ids, logprobs=seq.logprobs, token_versions=seq.versions,
-            loss_mask=seq.mask, messages=self.messages, num_turns=self.turns, turn_tokens=turn_tokens,
-            malformed_tool_calls=self.malformed, sandbox=self.sandbox, started_at=self.started_at,
-            worker_id=self.spec.worker_id, episode=state,
-        )  # fmt: skip
+            sample_index=self.spec.sample_index,
+            token_ids=seq.ids,
+            logprobs=seq.logprobs,
+            token_versions=seq.versions,
+            loss_mask=seq.mask,
+            messages=self.messages,
+            num_turns=self.turns,
+            turn_tokens=turn_tokens,
+            malformed_tool_calls=self.malformed,
+            sandbox=self.sandbox,
+            started_at=self.started_at,
+            worker_id=self.spec.worker_id,
+            episode=state,
+        )
 
-    def trajectory(self, status: c.TrajectoryStatus, finish: str, *, infra_error: str | None = None,
-                   final_diff: c.SandboxDiff | None = None) -> c.Trajectory:  # fmt: skip
+    def trajectory(
+        self,
+        status: c.TrajectoryStatus,
+        finish: str,
+        *,
+        infra_error: str | None = None,
+        final_diff: c.SandboxDiff | None = None,
+    ) -> c.Trajectory:
         req, ep = self.spec.request, self.episode
         if status is not c.TrajectoryStatus.FINISHED:
             ep.finish()
         s = ep.seq
         return c.Trajectory(
-            run_id=req.run_id, trajectory_id=self.trajectory_id, group_id=req.group_id, task_id=req.task_id,
-            sample_index=self.spec.sample_index, dispatch_version=req.dispatch_version, worker_id=self.spec.worker_id,
-            started_at=self.started_at, status=status, infra_error=infra_error, messages=self.messages, token_ids=s.ids,
-            logprobs=s.logprobs, token_versions=s.versions, loss_mask=s.mask, num_turns=self.turns,
-            malformed_tool_calls=self.malformed, finish_reason=finish, sandbox=self.sandbox, final_diff=final_diff,
-            segments=ep.segments, finished_at=time.time(),
-        )  # fmt: skip
+            run_id=req.run_id,
+            trajectory_id=self.trajectory_id,
+            group_id=req.group_id,
+            task_id=req.task_id,
+            sample_index=self.spec.sample_index,
+            dispatch_version=req.dispatch_version,
+            worker_id=self.spec.worker_id,
+            started_at=self.started_at,
+            status=status,
+            infra_error=infra_error,
+            messages=self.messages,
+            token_ids=s.ids,
+            logprobs=s.logprobs,
+            token_versions=s.versions,
+            loss_mask=s.mask,
+            num_turns=self.turns,
+            malformed_tool_calls=self.malformed,
+            finish_reason=finish,
+            sandbox=self.sandbox,
+            final_diff=final_diff,
+            segments=ep.segments,
+            finished_at=time.time(),
+        )
 
 
 async def run_episode(

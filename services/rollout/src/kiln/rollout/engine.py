@@ -129,7 +129,9 @@ class TorchEngine(InferenceEngine):
         if self.model is None:
             raise RuntimeError("engine has no weights loaded yet")
         epoch = self._abort
-        return await asyncio.to_thread(self._generate, list(prompt_ids), max_new_tokens, stop_ids, temperature, seed, epoch)
+        return await asyncio.to_thread(
+            self._generate, list(prompt_ids), max_new_tokens, stop_ids, temperature, seed, epoch
+        )
 
     async def abort(self) -> None:
         self._abort += 1

@@ -35,18 +35,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import Tokenizer
 
+from kiln.rollout.engine import InferenceEngine
+from kiln.rollout.tokens import Sequence
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.model.tokenizer import special_id
 from kiln.shared.toolformats import ToolFormat
-
-from kiln.rollout.engine import InferenceEngine
-from kiln.rollout.tokens import Sequence
 
 
 class EpisodeError(Exception):
@@ -128,7 +128,9 @@ def _text(content: Any) -> str:
         return content
     if isinstance(content, list):  # content parts
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", None))
-    raise EpisodeError(f"message content must be a string or a list of text parts, not {type(content).__name__}", "invalid_content")
+    raise EpisodeError(
+        f"message content must be a string or a list of text parts, not {type(content).__name__}", "invalid_content"
+    )
 
 
 def message_calls(m: dict) -> list[tuple[str, dict]]:
@@ -167,8 +169,13 @@ def as_openai(message: c.ChatMessage, fmt: ToolFormat, tools: list[dict]) -> dic
         return out
     prose, calls = read_turn(fmt, message.content, tools)
     good = [p for p in calls if not p.error]
-    return {"role": "assistant", "content": prose,
-            "tool_calls": [{"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments}} for p in good]}  # fmt: skip
+    return {
+        "role": "assistant",
+        "content": prose,
+        "tool_calls": [
+            {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments}} for p in good
+        ],
+    }
 
 
 class Episode:
@@ -281,10 +288,15 @@ class Episode:
             self.finish()  # what the last call generated closes the segment it belongs to
             n = len(self.seq.ids)
             at = next((k for k, (a, b) in enumerate(zip(prompt, self.seq.ids)) if a != b), min(len(prompt), n))
-            self.segments.append(c.Segment(start=n, reason=(
-                f"call {self.ncalls}'s prompt does not extend the episode's tokens (it differs at token {at} of {n}): "
-                "the harness rewrote, truncated or summarised its history"
-            )))  # fmt: skip
+            self.segments.append(
+                c.Segment(
+                    start=n,
+                    reason=(
+                        f"call {self.ncalls}'s prompt does not extend the episode's tokens (it differs at token {at} of {n}): "
+                        "the harness rewrote, truncated or summarised its history"
+                    ),
+                )
+            )
         start = n if extends else 0
         pos = start
         for offset, comp in sorted(spans, key=lambda s: s[0]):
@@ -310,30 +322,51 @@ class Episode:
         if time.time() > b.deadline:
             raise EpisodeError("the episode's deadline has passed", "deadline_exceeded", 408)
 
-    async def complete(self, messages: list[dict], tools: list[dict], *, n: int = 1, max_tokens: int | None = None,
-                       temperature: float | None = None) -> CallRecord:  # fmt: skip
+    async def complete(
+        self,
+        messages: list[dict],
+        tools: list[dict],
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> CallRecord:
         """A whole call: its prompt into the trajectory, then ``n`` choices generated."""
         async with self.lock:
             self._check_budget()
             self.open_call(messages, tools, max_tokens=max_tokens, temperature=temperature)
             return await self.generate(tools, n=n)
 
-    def open_call(self, messages: list[dict], tools: list[dict], *, max_tokens: int | None = None,
-                  temperature: float | None = None) -> None:  # fmt: skip
+    def open_call(
+        self,
+        messages: list[dict],
+        tools: list[dict],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> None:
         """Render the call's messages and stitch its prompt into the trajectory."""
         if self.open is not None:
             raise RuntimeError("a call is already open")
         prompt, spans = self.render(messages, tools)
         extended = self.stitch(prompt, spans)
         self.last_messages = messages
-        self.open = OpenCall(prompt_start=self.segments[-1].start if self.segments else 0, extended=extended,
-                             max_tokens=max_tokens, temperature=temperature)  # fmt: skip
+        self.open = OpenCall(
+            prompt_start=self.segments[-1].start if self.segments else 0,
+            extended=extended,
+            max_tokens=max_tokens,
+            temperature=temperature,
+        )
 
     def room(self) -> int:
         """Tokens the open call's completion may have in all (its pending ones included)."""
         assert self.open is not None
         b = self.budget
-        room = min(self.open.max_tokens or b.max_tokens_per_call, b.max_tokens_per_call, b.max_generated_tokens - self.generated_tokens)
+        room = min(
+            self.open.max_tokens or b.max_tokens_per_call,
+            b.max_tokens_per_call,
+            b.max_generated_tokens - self.generated_tokens,
+        )
         if b.max_context_tokens is not None:
             room = min(room, b.max_context_tokens - (len(self.seq.ids) - self.open.prompt_start) - 1)
         return room
@@ -363,8 +396,9 @@ class Episode:
             room = self.room() - spent
             if room <= 0 and not (k == 0 and call.pending is not None):
                 break
-            comp, finish = await self._generate(prompt, room, temperature, self.seed * 7919 + self.ncalls * 101 + k,
-                                                call.pending if k == 0 else None)  # fmt: skip
+            comp, finish = await self._generate(
+                prompt, room, temperature, self.seed * 7919 + self.ncalls * 101 + k, call.pending if k == 0 else None
+            )
             text = self.tokenizer.decode(comp.ids[:-1] if comp.stopped else comp.ids, skip_special_tokens=False)
             prose, calls = read_turn(self.format, text, tools)
             self.malformed += sum(1 for p in calls if p.error)
@@ -381,8 +415,9 @@ class Episode:
         self.ncalls += 1
         return record
 
-    async def _generate(self, prompt: list[int], room: int, temperature: float, seed: int,
-                        pending: Completion | None) -> tuple[Completion, str]:  # fmt: skip
+    async def _generate(
+        self, prompt: list[int], room: int, temperature: float, seed: int, pending: Completion | None
+    ) -> tuple[Completion, str]:
         ids = list(pending.ids) if pending else []
         logprobs = list(pending.logprobs) if pending else []
         versions = list(pending.versions) if pending else []
@@ -412,10 +447,20 @@ class Episode:
         for m in self.last_messages:
             calls = [c.ToolCall(id=str(i), name=n, arguments=a) for i, (n, a) in enumerate(message_calls(m))]
             role = "system" if m.get("role") == "developer" else m.get("role", "user")
-            out.append(c.ChatMessage(role=role, content=_text(m.get("content")), tool_calls=calls, tool_call_id=m.get("tool_call_id")))
+            out.append(
+                c.ChatMessage(
+                    role=role, content=_text(m.get("content")), tool_calls=calls, tool_call_id=m.get("tool_call_id")
+                )
+            )
         if self.calls and self.calls[-1].choices:
             ch = self.calls[-1].choices[0]
-            out.append(c.ChatMessage(role="assistant", content=ch.text, version=ch.completion.versions[-1] if ch.completion.versions else None))
+            out.append(
+                c.ChatMessage(
+                    role="assistant",
+                    content=ch.text,
+                    version=ch.completion.versions[-1] if ch.completion.versions else None,
+                )
+            )
         return out
 
     def finish(self, *, close: bool = False) -> None:
@@ -447,23 +492,42 @@ class Episode:
                 if comp.at is not None:
                     kept.append(c.KeptCompletion(key=key, stopped=comp.stopped, at=comp.at, length=len(comp.ids)))
                 else:
-                    kept.append(c.KeptCompletion(key=key, stopped=comp.stopped, length=len(comp.ids), ids=comp.ids,
-                                                 logprobs=comp.logprobs, versions=comp.versions))  # fmt: skip
+                    kept.append(
+                        c.KeptCompletion(
+                            key=key,
+                            stopped=comp.stopped,
+                            length=len(comp.ids),
+                            ids=comp.ids,
+                            logprobs=comp.logprobs,
+                            versions=comp.versions,
+                        )
+                    )
         o = self.open
         state = c.EpisodeState(
-            segments=self.segments, calls=self.ncalls, generated_tokens=self.generated_tokens, malformed=self.malformed,
-            completions=kept, open_call=None if o is None else c.OpenCall(prompt_start=o.prompt_start, extended=o.extended,
-                                                                          max_tokens=o.max_tokens, temperature=o.temperature),
-        )  # fmt: skip
+            segments=self.segments,
+            calls=self.ncalls,
+            generated_tokens=self.generated_tokens,
+            malformed=self.malformed,
+            completions=kept,
+            open_call=None
+            if o is None
+            else c.OpenCall(
+                prompt_start=o.prompt_start, extended=o.extended, max_tokens=o.max_tokens, temperature=o.temperature
+            ),
+        )
         return seq, len(pending.ids) if pending else 0, state
 
     def restore(self, partial: c.PartialSample) -> None:
         """Continue from a snapshot taken on any worker (this episode must be fresh)."""
         cut = len(partial.token_ids) - partial.turn_tokens
-        self.seq = Sequence(partial.token_ids[:cut], partial.logprobs[:cut], partial.token_versions[:cut], partial.loss_mask[:cut])
+        self.seq = Sequence(
+            partial.token_ids[:cut], partial.logprobs[:cut], partial.token_versions[:cut], partial.loss_mask[:cut]
+        )
         pending = None
         if partial.turn_tokens:
-            pending = Completion(partial.token_ids[cut:], partial.logprobs[cut:], partial.token_versions[cut:], stopped=False)
+            pending = Completion(
+                partial.token_ids[cut:], partial.logprobs[cut:], partial.token_versions[cut:], stopped=False
+            )
         st = partial.episode
         if st is None:  # suspended by an older worker: its call was open, its completions unknown
             self.ncalls = partial.num_turns
@@ -474,7 +538,9 @@ class Episode:
         for k in st.completions:
             if k.at is not None:
                 s = slice(k.at, k.at + k.length)
-                comp = Completion(self.seq.ids[s], self.seq.logprobs[s], self.seq.versions[s], k.stopped, appended=True, at=k.at)
+                comp = Completion(
+                    self.seq.ids[s], self.seq.logprobs[s], self.seq.versions[s], k.stopped, appended=True, at=k.at
+                )
             else:
                 comp = Completion(list(k.ids), list(k.logprobs), list(k.versions), k.stopped)
             self.completions.setdefault(k.key, []).append(comp)

@@ -23,12 +23,11 @@ import logging
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.worker import RolloutWorker, stable_seed
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, Retry
 from kiln.shared.weights.transport.base import VersionUnavailable
-
-from kiln.rollout.agent import EpisodeSpec, run_episode
-from kiln.rollout.worker import RolloutWorker, stable_seed
 
 log = logging.getLogger("kiln.rollout.eval")
 
@@ -64,22 +63,38 @@ class EvalWorker(RolloutWorker):
         except KeyError as e:
             raise Reject(str(e)) from None
         rr = c.RolloutRequest(
-            run_id=req.run_id, group_id=f"{req.eval_id}-{req.task_id}-{req.mode}", task_id=req.task_id,
-            n_samples=req.n_samples, dispatch_version=req.weights.version, deadline=req.deadline,
-        )  # fmt: skip
+            run_id=req.run_id,
+            group_id=f"{req.eval_id}-{req.task_id}-{req.mode}",
+            task_id=req.task_id,
+            n_samples=req.n_samples,
+            dispatch_version=req.weights.version,
+            deadline=req.deadline,
+        )
         async with self.engine_alive(), self.serving(req.weights):
             await asyncio.gather(*(self._episode(req, rr, task, i) for i in range(req.n_samples)))
 
     async def _episode(self, req: c.EvalRequest, rr: c.RolloutRequest, task, index: int) -> None:
         with self.ctx.tracer.start_as_current_span(
-            "eval.trajectory", context=Context(), kind=trace.SpanKind.CONSUMER,
-            attributes={"eval_id": req.eval_id, "task_id": req.task_id, "mode": req.mode, "sample": index, "policy.version": req.weights.version},
-        ):  # fmt: skip
+            "eval.trajectory",
+            context=Context(),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={
+                "eval_id": req.eval_id,
+                "task_id": req.task_id,
+                "mode": req.mode,
+                "sample": index,
+                "policy.version": req.weights.version,
+            },
+        ):
             spec = EpisodeSpec(
-                request=rr, sample_index=index, task=task, worker_id=self.ctx.instance,
-                seed=stable_seed("eval", req.seed, req.task_id, req.mode, index), temperature=req.temperature,
+                request=rr,
+                sample_index=index,
+                task=task,
+                worker_id=self.ctx.instance,
+                seed=stable_seed("eval", req.seed, req.task_id, req.mode, index),
+                temperature=req.temperature,
                 tools=tuple(self.cfg.tasks.tools),
-            )  # fmt: skip
+            )
             traj = await run_episode(spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer)
             traj = traj.model_copy(update={"purpose": "eval", "eval_id": req.eval_id})
             ack = await self.ctx.bus.publish(c.TRAJECTORY_FINISHED, traj, msg_id=traj.trajectory_id)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from kiln.shared import contracts as c
-from kiln.shared.service import ServiceContext, service_main
-from kiln.shared.tasks import load_suite
-
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.engine import InferenceEngine, TorchEngine
 from kiln.rollout.evaluator import EvalWorker
 from kiln.rollout.worker import RolloutWorker
+from kiln.shared import contracts as c
+from kiln.shared.service import ServiceContext, service_main
+from kiln.shared.tasks import load_suite
 
 log = logging.getLogger("kiln.rollout")
 
@@ -33,7 +32,12 @@ async def serve(ctx: ServiceContext) -> None:
         ctx.health_detail.update(engine=cfg.rollout.engine, role="eval")
         try:
             await ctx.bus.consume(
-                c.EVAL_WORKERS, c.EvalRequest, evaluator.on_eval, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups, ready=ctx.ready
+                c.EVAL_WORKERS,
+                c.EvalRequest,
+                evaluator.on_eval,
+                stop=ctx.stop,
+                concurrency=cfg.rollout.concurrent_groups,
+                ready=ctx.ready,
             )
         finally:
             await engine.close()
@@ -47,9 +51,15 @@ async def serve(ctx: ServiceContext) -> None:
         await ctx.bus.watch(c.weights_published_subject(cfg.run.id), c.WeightsPublished, worker.on_weights)
         await worker.feed.start(ctx.stop)
         await ctx.bus.consume(
-            c.ROLLOUT_WORKERS, c.RolloutRequest, worker.on_request, stop=ctx.stop, concurrency=cfg.rollout.concurrent_groups,
-            ready=ctx.ready, before=(c.ROLLOUT_RESUMERS,), hold_back=worker.holding_back,
-        )  # fmt: skip
+            c.ROLLOUT_WORKERS,
+            c.RolloutRequest,
+            worker.on_request,
+            stop=ctx.stop,
+            concurrency=cfg.rollout.concurrent_groups,
+            ready=ctx.ready,
+            before=(c.ROLLOUT_RESUMERS,),
+            hold_back=worker.holding_back,
+        )
     finally:
         if worker.endpoint is not None:
             await worker.endpoint.close()

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.shared import chat
-from kiln.shared.model.tokenizer import load_tokenizer, special_id
-
 from kiln.rollout.config import ScriptedSettings
 from kiln.rollout.engine import Generation, InferenceEngine
+from kiln.shared import chat
+from kiln.shared.model.tokenizer import load_tokenizer, special_id
 
 LOGPROB = -0.25
 
@@ -25,7 +24,9 @@ LOGPROB = -0.25
 class ScriptedEngine(InferenceEngine):
     def __init__(self, settings: ScriptedSettings):
         if not settings.episodes or not all(settings.episodes):
-            raise ValueError("rollout.engine = 'scripted' needs [rollout.scripted] episodes, each with at least one turn")
+            raise ValueError(
+                "rollout.engine = 'scripted' needs [rollout.scripted] episodes, each with at least one turn"
+            )
         self.s = settings
         self.version = -1
         self.tokenizer = None

@@ -68,7 +68,9 @@ class SimEngine(InferenceEngine):
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.create_task(self._tick())
         reason = await seq.done
-        return Generation(seq.tokens, seq.logprobs, seq.versions[-1] if seq.versions else self.version, reason, list(seq.versions))
+        return Generation(
+            seq.tokens, seq.logprobs, seq.versions[-1] if seq.versions else self.version, reason, list(seq.versions)
+        )
 
     async def _tick(self) -> None:
         while self._active:
@@ -81,7 +83,11 @@ class SimEngine(InferenceEngine):
                 if seq.done.done():
                     continue
                 last = len(seq.tokens) + 1 >= seq.target
-                tok = seq.stop_id if last and seq.stop_id is not None else seq.rng.randrange(self.s.token_low, self.s.token_high)
+                tok = (
+                    seq.stop_id
+                    if last and seq.stop_id is not None
+                    else seq.rng.randrange(self.s.token_low, self.s.token_high)
+                )
                 seq.tokens.append(tok)
                 seq.logprobs.append(-seq.rng.expovariate(1.0))
                 seq.versions.append(self.version)

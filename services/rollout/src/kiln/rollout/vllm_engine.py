@@ -193,7 +193,6 @@ class VllmEngine(InferenceEngine):
             self.llm = None
 
 
-
 class KilnWorkerExtension:
     """Methods vLLM mixes into its worker (``worker_extension_cls``), called by name
     through ``collective_rpc``."""

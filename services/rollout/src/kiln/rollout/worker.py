@@ -37,6 +37,10 @@ from pathlib import Path
 
 from opentelemetry import trace
 
+from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
+from kiln.rollout.config import RolloutConfig
+from kiln.rollout.engine import EngineDead, InferenceEngine
+from kiln.rollout.harness.runners import run_harness_episode
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, RemoteError, Retry
 from kiln.shared.envpool_client import EnvPoolClient
@@ -45,11 +49,6 @@ from kiln.shared.tasks import TaskSuite
 from kiln.shared.telemetry import context_from_traceparent
 from kiln.shared.weights.transport import make_feed
 from kiln.shared.weights.transport.base import WeightFeed
-
-from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
-from kiln.rollout.config import RolloutConfig
-from kiln.rollout.engine import EngineDead, InferenceEngine
-from kiln.rollout.harness.runners import run_harness_episode
 
 log = logging.getLogger("kiln.rollout.worker")
 
@@ -62,10 +61,16 @@ class RolloutWorker:
         self.suite = suite
         self.envpool = EnvPoolClient(ctx.bus)
         self.feed: WeightFeed = make_feed(
-            self.cfg.weights.transport, engine, run_id=self.cfg.run.id, tracer=ctx.tracer, on_served=self._version_served,
-            cache_dir=Path(self.cfg.run.dir or ".") / "weights-cache" / ctx.instance, delta=self.cfg.weights.delta,
-            http_token=self.cfg.weights.http_token, eval_worker=self.cfg.rollout.role == "eval",
-        )  # fmt: skip
+            self.cfg.weights.transport,
+            engine,
+            run_id=self.cfg.run.id,
+            tracer=ctx.tracer,
+            on_served=self._version_served,
+            cache_dir=Path(self.cfg.run.dir or ".") / "weights-cache" / ctx.instance,
+            delta=self.cfg.weights.delta,
+            http_token=self.cfg.weights.http_token,
+            eval_worker=self.cfg.rollout.role == "eval",
+        )
         """Where versions come from (``kiln.shared.weights.transport``); the worker only waits on it."""
         self.published = 0
         self.endpoint = None
@@ -87,7 +92,9 @@ class RolloutWorker:
 
         h = self.cfg.rollout.harness
         self.endpoint = Endpoint(self.cfg.run.name or "kiln-policy", self.envpool)
-        self.endpoint_url, _ = await serve_http(self.endpoint.app, h.host, h.port, "", self.ctx.stop, authenticates_itself=True)
+        self.endpoint_url, _ = await serve_http(
+            self.endpoint.app, h.host, h.port, "", self.ctx.stop, authenticates_itself=True
+        )
         self.ctx.health_detail["endpoint"] = self.endpoint_url
         log.info("OpenAI-compatible endpoint for %s harnesses at %s/v1", h.kind, self.endpoint_url)
         return self.endpoint_url
@@ -149,7 +156,9 @@ class RolloutWorker:
 
     async def on_request(self, req: c.RolloutRequest, delivery: Delivery) -> None:
         if req.run_id != self.cfg.run.id:
-            log.warning("ignoring request %s of run %s (this worker serves %s)", req.group_id, req.run_id, self.cfg.run.id)
+            log.warning(
+                "ignoring request %s of run %s (this worker serves %s)", req.group_id, req.run_id, self.cfg.run.id
+            )
             return
         try:
             task = self.suite.get(req.task_id)
@@ -196,8 +205,12 @@ class RolloutWorker:
         else:
             held_partials = held
         nxt = req.model_copy(
-            update={"samples": sorted(p.sample_index for p in held), "partials": held_partials, "suspensions": req.suspensions + 1,
-                    "resume_version": max(req.resume_version, self.resume_at)}
+            update={
+                "samples": sorted(p.sample_index for p in held),
+                "partials": held_partials,
+                "suspensions": req.suspensions + 1,
+                "resume_version": max(req.resume_version, self.resume_at),
+            }
         )
         await self.ctx.bus.publish(c.ROLLOUT_RESUME, nxt, msg_id=f"{req.group_id}-r{nxt.suspensions}")
         log.info("suspended %d samples of %s (suspension %d)", len(held), req.group_id, nxt.suspensions)
@@ -210,13 +223,20 @@ class RolloutWorker:
                 except RemoteError:
                     pass  # its lease ends it
 
-    async def _sample(self, req: c.RolloutRequest, task, index: int, temperature: float, partial: c.PartialSample | None):
+    async def _sample(
+        self, req: c.RolloutRequest, task, index: int, temperature: float, partial: c.PartialSample | None
+    ):
         parent = context_from_traceparent(req.sample_traces[index]) if req.sample_traces else None
         with self.ctx.tracer.start_as_current_span(
             "rollout.trajectory",
             context=parent,
             kind=trace.SpanKind.CONSUMER,
-            attributes={"group_id": req.group_id, "sample": index, "task_id": req.task_id, "suspensions": req.suspensions},
+            attributes={
+                "group_id": req.group_id,
+                "sample": index,
+                "task_id": req.task_id,
+                "suspensions": req.suspensions,
+            },
         ) as span:
             alg = self.cfg.algorithm
             # A sample started again from scratch gets a new seed: the same one would replay its discarded tokens.
@@ -226,7 +246,9 @@ class RolloutWorker:
                 sample_index=index,
                 task=task,
                 worker_id=self.ctx.instance,
-                seed=stable_seed(self.cfg.run.seed, req.group_id, index, req.dispatch_version, *([restart] if restart else [])),
+                seed=stable_seed(
+                    self.cfg.run.seed, req.group_id, index, req.dispatch_version, *([restart] if restart else [])
+                ),
                 temperature=temperature,
                 max_staleness=0 if alg.mode == "sync" else alg.max_staleness,
                 tools=tuple(self.cfg.tasks.tools),
@@ -236,11 +258,26 @@ class RolloutWorker:
             t0 = time.monotonic()
             try:
                 if self.endpoint is not None:  # an external harness drives it; suspensions stay inside its calls
-                    out = await run_harness_episode(spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout,
-                                                    self.endpoint, self.endpoint_url, lambda: self.served(self.resume_at))  # fmt: skip
+                    out = await run_harness_episode(
+                        spec,
+                        self.engine,
+                        self.tokenizer,
+                        self.envpool,
+                        self.cfg.rollout,
+                        self.endpoint,
+                        self.endpoint_url,
+                        lambda: self.served(self.resume_at),
+                    )
                 else:
                     out = await run_episode(
-                        spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer, suspend=self.suspend, resume=partial
+                        spec,
+                        self.engine,
+                        self.tokenizer,
+                        self.envpool,
+                        self.cfg.rollout,
+                        self.ctx.tracer,
+                        suspend=self.suspend,
+                        resume=partial,
                     )
             finally:
                 m.in_flight.add(-1)

@@ -13,7 +13,6 @@ from sqlalchemy import select
 
 from kiln.shared.db import Database, PolicyVersion
 from kiln.shared.http import bearer_auth
-
 from kiln.weights.store import VersionStore
 
 
@@ -54,7 +53,11 @@ def build_app(store: VersionStore, db: Database, token: str) -> FastAPI:
     @app.get("/runs/{run_id}/versions", dependencies=auth)
     async def versions(run_id: str) -> dict:
         async with db.session() as s:
-            rows = (await s.scalars(select(PolicyVersion).where(PolicyVersion.run_id == run_id).order_by(PolicyVersion.version))).all()
+            rows = (
+                await s.scalars(
+                    select(PolicyVersion).where(PolicyVersion.run_id == run_id).order_by(PolicyVersion.version)
+                )
+            ).all()
         return {"run_id": run_id, "versions": [_row(r) for r in rows]}
 
     @app.get("/runs/{run_id}/versions/{version}/manifest", dependencies=auth)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import select, update
@@ -29,7 +29,6 @@ from kiln.shared.http import serve_http
 from kiln.shared.service import ServiceContext, service_main
 from kiln.shared.weights.manifest import IntegrityError
 from kiln.shared.weights.transport import make_sender
-
 from kiln.weights.api import build_app
 from kiln.weights.config import WeightsConfig, confined, staging_dir, store_dir
 from kiln.weights.store import VersionStore
@@ -44,7 +43,9 @@ async def serve(ctx: ServiceContext) -> None:
     db = Database(cfg.database.url, cfg.database.echo)
     url, http_task = "", None
     if w.http_port >= 0:
-        url, http_task = await serve_http(build_app(store, db, w.http_token), w.http_host, w.http_port, w.http_token, ctx.stop)
+        url, http_task = await serve_http(
+            build_app(store, db, w.http_token), w.http_host, w.http_port, w.http_token, ctx.stop
+        )
     public_url = w.public_url or url
     sender = make_sender(w.transport)
 
@@ -60,9 +61,14 @@ async def serve(ctx: ServiceContext) -> None:
         with ctx.tracer.start_as_current_span("weights.store", attributes={"policy.version": ck.version}):
             try:
                 stored = await asyncio.to_thread(
-                    store.put, src, run_id=ck.run_id, version=ck.version, step=ck.step, parent_version=ck.parent_version,
+                    store.put,
+                    src,
+                    run_id=ck.run_id,
+                    version=ck.version,
+                    step=ck.step,
+                    parent_version=ck.parent_version,
                     files=ck.files or None,
-                )  # fmt: skip
+                )
             except IntegrityError as e:  # the folder is not what the learner hashed: retrying cannot help
                 raise Reject(str(e)) from e
             m = stored.manifest
@@ -91,11 +97,17 @@ async def serve(ctx: ServiceContext) -> None:
             await ctx.bus.publish(
                 c.weights_published_subject(ck.run_id),
                 c.WeightsPublished(
-                    run_id=ck.run_id, version=ck.version, step=ck.step, path=str(stored.path), manifest=m,
-                    manifest_sha256=stored.digest, url=public_url, broadcast=broadcast,
+                    run_id=ck.run_id,
+                    version=ck.version,
+                    step=ck.step,
+                    path=str(stored.path),
+                    manifest=m,
+                    manifest_sha256=stored.digest,
+                    url=public_url,
+                    broadcast=broadcast,
                 ),
                 msg_id=f"{ck.run_id}-v{ck.version}",
-            )  # fmt: skip
+            )
         if broadcast:
             await sender.send(ck.run_id, ck.version, src, m)
         ctx.health_detail["latest_version"] = ck.version
@@ -103,7 +115,13 @@ async def serve(ctx: ServiceContext) -> None:
         ctx.metrics.version.set(ck.version)
         ctx.metrics.bytes.add(store.size_on_disk(ck.run_id, ck.version), {"storage": m.storage})
         ctx.metrics.seconds.record(time.monotonic() - t0)
-        log.info("published version %d of %s (%s, %d bytes stored)", ck.version, ck.run_id, m.storage, store.size_on_disk(ck.run_id, ck.version))
+        log.info(
+            "published version %d of %s (%s, %d bytes stored)",
+            ck.version,
+            ck.run_id,
+            m.storage,
+            store.size_on_disk(ck.run_id, ck.version),
+        )
 
     async def retain(run_id: str) -> None:
         if not w.keep_last:
@@ -116,7 +134,7 @@ async def serve(ctx: ServiceContext) -> None:
                 await s.execute(
                     update(PolicyVersion)
                     .where(PolicyVersion.run_id == run_id, PolicyVersion.version.in_(deleted))
-                    .values(deleted_at=datetime.now(timezone.utc))
+                    .values(deleted_at=datetime.now(UTC))
                 )
                 log.info("retention deleted versions %s of %s", deleted, run_id)
 

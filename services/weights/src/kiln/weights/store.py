@@ -78,7 +78,13 @@ class VersionStore:
         return sorted(int(p.name[1:]) for p in d.iterdir() if p.name.startswith("v") and (p / MANIFEST).is_file())
 
     def put(
-        self, src: Path, *, run_id: str, version: int, step: int, parent_version: int | None,
+        self,
+        src: Path,
+        *,
+        run_id: str,
+        version: int,
+        step: int,
+        parent_version: int | None,
         files: list[FileInfo] | None = None,
     ) -> Stored:
         """Store the staged folder ``src`` as ``version``; ``files``: its writer's digests
@@ -87,7 +93,9 @@ class VersionStore:
         if (dest / MANIFEST).exists():  # already stored (a redelivered checkpoint)
             body = (dest / MANIFEST).read_bytes()
             return Stored(dest, WeightsManifest.model_validate_json(body), hashlib.sha256(body).hexdigest())
-        manifest = build_manifest(src, run_id=run_id, version=version, step=step, parent_version=parent_version, files=files)
+        manifest = build_manifest(
+            src, run_id=run_id, version=version, step=step, parent_version=parent_version, files=files
+        )
         base = self.root / run_id / ".base"
         as_delta = (
             self.delta
@@ -168,5 +176,3 @@ class VersionStore:
 
     def size_on_disk(self, run_id: str, version: int) -> int:
         return sum(f.stat().st_size for f in self.version_dir(run_id, version).iterdir() if f.is_file())
-
-

@@ -82,7 +82,13 @@ async def check_records(db_url: str, run_id: str, report: Report | None = None) 
         async with db.session() as s:
             run = await s.get(Run, run_id)
             groups = (await s.scalars(select(TaskGroup).where(TaskGroup.run_id == run_id))).all()
-            trajs = (await s.scalars(select(TrajectoryRecord).where(TrajectoryRecord.run_id == run_id, TrajectoryRecord.purpose == "train"))).all()
+            trajs = (
+                await s.scalars(
+                    select(TrajectoryRecord).where(
+                        TrajectoryRecord.run_id == run_id, TrajectoryRecord.purpose == "train"
+                    )
+                )
+            ).all()
             steps = (await s.scalars(select(StepRecord).where(StepRecord.run_id == run_id))).all()
             versions = (await s.scalars(select(PolicyVersion).where(PolicyVersion.run_id == run_id))).all()
     finally:
@@ -109,8 +115,10 @@ def _check_groups(report: Report, run_id: str, groups, trajs, steps, n_steps: in
     expected = [f"{run_id}-g{i:06d}" for i in range(len(groups))]
     if sorted(by_id) != expected:
         missing = sorted(set(expected) - set(by_id))[:5]
-        report.fail(f"group ids are not the dispatch sequence 0..{len(groups) - 1}: missing {missing}, "
-                    f"unexpected {sorted(set(by_id) - set(expected))[:5]}")  # fmt: skip
+        report.fail(
+            f"group ids are not the dispatch sequence 0..{len(groups) - 1}: missing {missing}, "
+            f"unexpected {sorted(set(by_id) - set(expected))[:5]}"
+        )
     for g in groups:
         if g.status == "trained":
             if g.trained_version is None or not 1 <= g.trained_version <= n_steps or g.reason:
@@ -134,16 +142,24 @@ def _check_groups(report: Report, run_id: str, groups, trajs, steps, n_steps: in
             report.fail(f"{t.trajectory_id}: its group {t.group_id} was never dispatched")
             continue
         if t.trained_version is not None and g.status != "trained":
-            report.fail(f"{t.trajectory_id}: stamped trained by version {t.trained_version} but its group is {g.status}")
+            report.fail(
+                f"{t.trajectory_id}: stamped trained by version {t.trained_version} but its group is {g.status}"
+            )
         if g.status != "trained" or t.trained_version is None or t.infra_error:
             continue
         trainer = t.trained_version - 1  # the policy the step started from
         if t.max_version is not None and t.max_version > trainer:
-            report.fail(f"{t.trajectory_id}: a token of version {t.max_version} trained by version {trainer} (newer than it)")
+            report.fail(
+                f"{t.trajectory_id}: a token of version {t.max_version} trained by version {trainer} (newer than it)"
+            )
         if t.min_version is not None and t.min_version < trainer - limit:
-            report.fail(f"{t.trajectory_id}: a token of version {t.min_version} trained by version {trainer} (max staleness {limit})")
+            report.fail(
+                f"{t.trajectory_id}: a token of version {t.min_version} trained by version {trainer} (max staleness {limit})"
+            )
         if t.min_version is not None and t.min_version < g.dispatch_version:
-            report.fail(f"{t.trajectory_id}: a token of version {t.min_version}, older than its dispatch version {g.dispatch_version}")
+            report.fail(
+                f"{t.trajectory_id}: a token of version {t.min_version}, older than its dispatch version {g.dispatch_version}"
+            )
     for g in groups:
         if g.status != "trained":
             continue
@@ -151,8 +167,10 @@ def _check_groups(report: Report, run_id: str, groups, trajs, steps, n_steps: in
         stamps = Counter(t.trained_version for t in rows)
         if len(rows) != g.n_samples or stamps != Counter({g.trained_version: g.n_samples}):
             lost.add(g.group_id)
-            report.fail(f"{g.group_id}: trained by version {g.trained_version} but its {len(rows)} of {g.n_samples} "
-                        f"trajectory rows are stamped {dict(stamps)}")  # fmt: skip
+            report.fail(
+                f"{g.group_id}: trained by version {g.trained_version} but its {len(rows)} of {g.n_samples} "
+                f"trajectory rows are stamped {dict(stamps)}"
+            )
 
     # Steps: each one once, each with exactly its batch.
     per_version = Counter(g.trained_version for g in groups if g.status == "trained")
@@ -165,8 +183,10 @@ def _check_groups(report: Report, run_id: str, groups, trajs, steps, n_steps: in
             report.fail(f"version {v}: {per_version.get(v, 0)} groups trained by its step, expected {per_step}")
         s = by_step.get(v - 1)
         if s is not None and (s.version != v or s.trajectories != stamped.get(v, 0)):
-            report.fail(f"step {v - 1}: row says version {s.version} with {s.trajectories} trajectories; "
-                        f"{stamped.get(v, 0)} trajectories are stamped version {v}")  # fmt: skip
+            report.fail(
+                f"step {v - 1}: row says version {s.version} with {s.trajectories} trajectories; "
+                f"{stamped.get(v, 0)} trajectories are stamped version {v}"
+            )
     report.facts.update(steps_recorded=len(by_step), trajectories_scored=len(trajs), lost_groups=len(lost))
 
 
@@ -247,7 +267,9 @@ def envpool_incarnations(run_dir: Path, seen_pids: dict[str, set[int]] | None = 
     the caller saw alive (a process killed before it logged)."""
     out: dict[str, set[Path]] = defaultdict(set)
     for log in sorted((run_dir / "logs").glob("env-pool*.log")):
-        for m in re.finditer(r"env-pool node (\S+) serving: .*?workspaces in (/\S+?)(?:,|\"|$)", log.read_text(errors="replace"), re.M):
+        for m in re.finditer(
+            r"env-pool node (\S+) serving: .*?workspaces in (/\S+?)(?:,|\"|$)", log.read_text(errors="replace"), re.M
+        ):
             folder = Path(m.group(2))
             out[folder.name].add(folder)
     for node, pids in (seen_pids or {}).items():
@@ -291,8 +313,9 @@ def check_host(run_dir: Path, incarnations: dict[str, set[Path]], report: Report
 # --- the run's JetStream store ----------------------------------------------------------
 
 
-async def check_bus(store_dir: Path, groups: dict[str, tuple[str, str | None]], injected: set[str],
-                    report: Report | None = None) -> Report:  # fmt: skip
+async def check_bus(
+    store_dir: Path, groups: dict[str, tuple[str, str | None]], injected: set[str], report: Report | None = None
+) -> Report:
     """Reads the dead letters and the dropped-log from the stopped run's JetStream store
     (a nats-server of our own on a copy of it, so the run's store is left as it was).
     ``groups``: group id -> (status, reason) from the database; ``injected``: the
@@ -303,7 +326,9 @@ async def check_bus(store_dir: Path, groups: dict[str, tuple[str, str | None]], 
 
     report = report or Report()
     if not (store_dir / "jetstream").is_dir():  # a cluster's stores are per node (and replicated): not read here
-        report.fail(f"no single-server JetStream store in {store_dir}: the dead-letter and dropped-log checks need one nats-server")
+        report.fail(
+            f"no single-server JetStream store in {store_dir}: the dead-letter and dropped-log checks need one nats-server"
+        )
         return report
     tmp = Path(tempfile.mkdtemp(prefix="kiln-chaos-js-"))
     server = None
@@ -327,7 +352,9 @@ async def check_bus(store_dir: Path, groups: dict[str, tuple[str, str | None]], 
             found.add(marker.group(1).decode())
             deliberate += 1
             continue
-        report.fail(f"dead letter on {subject} from {headers.get(c.HDR_DLQ_SERVICE)}: {headers.get(c.HDR_DLQ_REASON, '')[:300]}")
+        report.fail(
+            f"dead letter on {subject} from {headers.get(c.HDR_DLQ_SERVICE)}: {headers.get(c.HDR_DLQ_REASON, '')[:300]}"
+        )
     if missing := injected - found:
         report.fail(f"{len(missing)} deliberately malformed messages are not in KILN_DLQ: {sorted(missing)[:5]}")
     reasons: dict[str, set[str]] = defaultdict(set)
@@ -338,8 +365,13 @@ async def check_bus(store_dir: Path, groups: dict[str, tuple[str, str | None]], 
         status, reason = groups.get(gid, ("unknown", None))
         if status != "dropped" or len(rs) > 1 or reason not in rs:
             report.fail(f"{gid}: the dropped-log says {sorted(rs)}, the database {status} {reason or ''}")
-    report.facts.update(dead_letters=len(dead), deliberate_dead_letters=deliberate, deliberate_messages=len(found), dropped_log=len(reasons),
-                        drops_not_in_log=sum(1 for g, (st, _) in groups.items() if st == "dropped" and g not in reasons))  # fmt: skip
+    report.facts.update(
+        dead_letters=len(dead),
+        deliberate_dead_letters=deliberate,
+        deliberate_messages=len(found),
+        dropped_log=len(reasons),
+        drops_not_in_log=sum(1 for g, (st, _) in groups.items() if st == "dropped" and g not in reasons),
+    )
     return report
 
 
@@ -367,7 +399,11 @@ async def group_outcomes(db_url: str, run_id: str) -> dict[str, tuple[str, str |
     db = Database(db_url)
     try:
         async with db.session() as s:
-            rows = (await s.execute(select(TaskGroup.group_id, TaskGroup.status, TaskGroup.reason).where(TaskGroup.run_id == run_id))).all()
+            rows = (
+                await s.execute(
+                    select(TaskGroup.group_id, TaskGroup.status, TaskGroup.reason).where(TaskGroup.run_id == run_id)
+                )
+            ).all()
     finally:
         await db.close()
     return {g: (st, r) for g, st, r in rows}

@@ -105,7 +105,9 @@ class Monkey:
         self.kills = kills
         self.rng = random.Random(f"{seed}:victims")
         self.bad_input = bad_input
-        self.bad_at = random.Random(f"{seed}:bad").randint(1, max(1, kills[-1].at if kills else 1)) if bad_input else None
+        self.bad_at = (
+            random.Random(f"{seed}:bad").randint(1, max(1, kills[-1].at if kills else 1)) if bad_input else None
+        )
         self.injected: set[str] = set()
         self.envpool_pids: dict[str, set[int]] = {}
         """node id -> every env-pool pid seen (its workspaces and cgroups are named by it)."""
@@ -114,9 +116,16 @@ class Monkey:
     def _victims(self, target: str) -> list[tuple[str, object]]:
         """(label, handle) of the live processes of ``target``: a service's ``Child`` or a NatsServer."""
         if target == "nats":
-            return [(getattr(s, "name", "") or "nats-server", s) for s in _nats_procs(self.platform) if s.proc.poll() is None]
-        return [(ch.name, ch) for ch in self.platform.children
-                if ch.info.name == target and ch.restart_at is None and ch.proc.poll() is None]  # fmt: skip
+            return [
+                (getattr(s, "name", "") or "nats-server", s)
+                for s in _nats_procs(self.platform)
+                if s.proc.poll() is None
+            ]
+        return [
+            (ch.name, ch)
+            for ch in self.platform.children
+            if ch.info.name == target and ch.restart_at is None and ch.proc.poll() is None
+        ]
 
     def _note_envpool(self) -> None:
         for ch in self.platform.children:
@@ -135,8 +144,11 @@ class Monkey:
 
             async def progress() -> tuple[int, int]:
                 async with db.session() as s:
-                    n = await s.scalar(select(func.count()).select_from(TrajectoryRecord).where(
-                        TrajectoryRecord.run_id == run_id, TrajectoryRecord.purpose == "train"))  # fmt: skip
+                    n = await s.scalar(
+                        select(func.count())
+                        .select_from(TrajectoryRecord)
+                        .where(TrajectoryRecord.run_id == run_id, TrajectoryRecord.purpose == "train")
+                    )
                     v = await s.scalar(select(func.count()).select_from(StepRecord).where(StepRecord.run_id == run_id))
                 return n or 0, v or 0
 
@@ -176,12 +188,19 @@ class Monkey:
         k.pid = handle.proc.pid
         os.kill(k.pid, signal.SIGKILL)
         k.t, k.version = time.monotonic() - self.t0, steps
-        _say(f"killed {k.label} (pid {k.pid}, SIGKILL) at {k.at} scored trajectories, version {steps}, {k.t:.1f}s into the run")
+        _say(
+            f"killed {k.label} (pid {k.pid}, SIGKILL) at {k.at} scored trajectories, version {steps}, {k.t:.1f}s into the run"
+        )
         return handle
 
     def _came_back(self, k: Kill, handle) -> None:
         proc = handle.proc
-        if proc is not None and proc.pid != k.pid and proc.poll() is None and getattr(handle, "restart_at", None) is None:
+        if (
+            proc is not None
+            and proc.pid != k.pid
+            and proc.poll() is None
+            and getattr(handle, "restart_at", None) is None
+        ):
             k.back_after = time.monotonic() - self.t0 - k.t
             _say(f"{k.label} is running again (pid {proc.pid}) {k.back_after:.1f}s after its kill")
 
@@ -210,8 +229,16 @@ class Monkey:
         _say(f"published {self.bad_input} malformed messages on purpose (they must be dead-lettered)")
 
 
-async def chaos_run(config: str | None, overrides: list[str], *, seed: int, kills: int, targets: list[str],
-                    bad_input: int = 0, label: str = "chaos") -> Result:  # fmt: skip
+async def chaos_run(
+    config: str | None,
+    overrides: list[str],
+    *,
+    seed: int,
+    kills: int,
+    targets: list[str],
+    bad_input: int = 0,
+    label: str = "chaos",
+) -> Result:
     """One run with ``kills`` kills (0: a baseline), then every invariant checked."""
     from kiln.shared.launcher import LocalPlatform
 
@@ -243,7 +270,9 @@ async def chaos_run(config: str | None, overrides: list[str], *, seed: int, kill
         res.violations.append(f"kiln run exited {code}: {platform.failed or ''}"[:2000])
     for k in schedule:
         if k.t is None:
-            res.violations.append(f"the planned kill of {k.target} at {k.at} scored trajectories never happened (the run ended first)")
+            res.violations.append(
+                f"the planned kill of {k.target} at {k.at} scored trajectories never happened (the run ended first)"
+            )
         elif k.back_after is None:
             res.violations.append(f"{k.label} (killed at {k.t:.1f}s) never came back")
     await check(res, platform.run_dir, monkey.envpool_pids, monkey.injected)
@@ -279,12 +308,19 @@ async def check(res: Result, run_dir: Path, envpool_pids: dict[str, set[int]], i
 
 
 def summary(res: Result) -> str:
-    lines = ["", f"chaos run {res.run_id}: {res.run_dir}", "",
-             "| # | target | process | at (scored trajectories) | version | killed at | back after |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "",
+        f"chaos run {res.run_id}: {res.run_dir}",
+        "",
+        "| # | target | process | at (scored trajectories) | version | killed at | back after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, k in enumerate(res.kills, 1):
         t = f"{k.t:.1f} s" if k.t is not None else "never"
         back = f"{k.back_after:.1f} s" if k.back_after is not None else "-"
-        lines.append(f"| {i} | {k.target} | {k.label or '-'} | {k.at} | {k.version if k.version is not None else '-'} | {t} | {back} |")
+        lines.append(
+            f"| {i} | {k.target} | {k.label or '-'} | {k.at} | {k.version if k.version is not None else '-'} | {t} | {back} |"
+        )
     f = res.facts
     outcomes = ", ".join(f"{n} {o}" for o, n in sorted(f.get("group_outcomes", {}).items()))
     lines += [
@@ -298,7 +334,11 @@ def summary(res: Result) -> str:
         f"dropped-log: {f.get('dropped_log', '?')} groups ({f.get('drops_not_in_log', '?')} drops missing from it); "
         f"env-pool processes checked for leftovers: {f.get('envpool_incarnations', '?')}",
     ]
-    extra = f", baseline {res.baseline_s:.1f} s, extra {res.wall_s - res.baseline_s:+.1f} s" if res.baseline_s is not None else ""
+    extra = (
+        f", baseline {res.baseline_s:.1f} s, extra {res.wall_s - res.baseline_s:+.1f} s"
+        if res.baseline_s is not None
+        else ""
+    )
     lines.append(f"wall time: {res.wall_s:.1f} s{extra}")
     if res.violations:
         lines.append(f"INVARIANTS FAILED ({len(res.violations)}):")
@@ -309,16 +349,26 @@ def summary(res: Result) -> str:
 
 
 def parser(prog: str = "kiln chaos") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="a local run with processes SIGKILLed at random moments, then its invariants checked")
+    p = argparse.ArgumentParser(
+        prog=prog, description="a local run with processes SIGKILLed at random moments, then its invariants checked"
+    )
     p.add_argument("--config", default="configs/smoke.toml", help="experiment TOML (default: configs/smoke.toml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seed", type=int, default=0, help="picks the kills (targets, moments, replicas) and the run's seed")
+    p.add_argument(
+        "--seed", type=int, default=0, help="picks the kills (targets, moments, replicas) and the run's seed"
+    )
     p.add_argument("--kills", type=int, default=6)
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--steps", type=int, help="algorithm.steps")
     p.add_argument("--root", help="run.root: where the run folders go")
-    p.add_argument("--bad-input", type=int, default=2, help="malformed messages published on purpose (must be dead-lettered)")
-    p.add_argument("--baseline", action="store_true", help="first run the same configuration and seed without kills, for the extra wall time")
+    p.add_argument(
+        "--bad-input", type=int, default=2, help="malformed messages published on purpose (must be dead-lettered)"
+    )
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="first run the same configuration and seed without kills, for the extra wall time",
+    )
     p.add_argument("--baseline-s", type=float, help="a baseline wall time measured before")
     p.add_argument("--json", help="write the result here as JSON")
     return p
@@ -347,7 +397,9 @@ async def amain(a: argparse.Namespace) -> int:
     res.baseline_s = baseline
     print(summary(res), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({**asdict(res), "survived": res.survived, "ok": res.ok}, indent=1, default=str))
+        Path(a.json).write_text(
+            json.dumps({**asdict(res), "survived": res.survived, "ok": res.ok}, indent=1, default=str)
+        )
     return 0 if res.ok else 1
 
 

@@ -288,8 +288,14 @@ EVAL_WORKERS = ConsumerSpec(
 )
 
 CONSUMERS: tuple[ConsumerSpec, ...] = (
-    ROLLOUT_WORKERS, ROLLOUT_RESUMERS, ABANDONED, REWARD_WORKERS, LEARNER, WEIGHTS_WRITERS, EVAL_WORKERS,
-)  # fmt: skip
+    ROLLOUT_WORKERS,
+    ROLLOUT_RESUMERS,
+    ABANDONED,
+    REWARD_WORKERS,
+    LEARNER,
+    WEIGHTS_WRITERS,
+    EVAL_WORKERS,
+)
 
 
 def stream_for_subject(subject: str) -> StreamSpec:
@@ -318,7 +324,6 @@ def subject_matches(pattern: str, subject: str) -> bool:
 from kiln.shared.contracts.envpool import *  # noqa: E402, F403
 from kiln.shared.contracts.messages import *  # noqa: E402, F403
 from kiln.shared.contracts.messages import Message  # noqa: E402
-
 
 SUBJECT_MESSAGES: dict[str, type[Message]] = {
     ROLLOUT_WORK: RolloutRequest,

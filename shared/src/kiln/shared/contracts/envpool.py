@@ -11,7 +11,6 @@ from pydantic import Field
 
 from kiln.shared.contracts.messages import Message, SandboxRef, ToolCall, ToolResult
 
-
 ENVIRONMENT_ERROR = "environment_error"
 """Error code of a create whose task's environment cannot be built (the reason names the
 environment and the step); the controller sets that environment's tasks aside."""

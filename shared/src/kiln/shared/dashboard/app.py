@@ -31,7 +31,9 @@ from kiln.shared.dashboard.traces import span_tree
 from kiln.shared.db import Database, EvalRecord, PolicyVersion, Run, StepRecord, TaskGroup, TrajectoryRecord
 from kiln.shared.http import bearer_auth
 
-TEMPLATES = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), autoescape=select_autoescape(["html"]))
+TEMPLATES = Environment(
+    loader=FileSystemLoader(Path(__file__).parent / "templates"), autoescape=select_autoescape(["html"])
+)
 
 
 def _row(obj, *cols: str) -> dict:
@@ -41,11 +43,21 @@ def _row(obj, *cols: str) -> dict:
 async def runs_summary(db: Database) -> list[dict]:
     async with db.session() as s:
         runs = (await s.scalars(select(Run).order_by(Run.created_at.desc()))).all()
-        versions = dict((await s.execute(select(PolicyVersion.run_id, func.max(PolicyVersion.version)).group_by(PolicyVersion.run_id))).all())
-        trajs = dict((await s.execute(select(TrajectoryRecord.run_id, func.count()).group_by(TrajectoryRecord.run_id))).all())
+        versions = dict(
+            (
+                await s.execute(
+                    select(PolicyVersion.run_id, func.max(PolicyVersion.version)).group_by(PolicyVersion.run_id)
+                )
+            ).all()
+        )
+        trajs = dict(
+            (await s.execute(select(TrajectoryRecord.run_id, func.count()).group_by(TrajectoryRecord.run_id))).all()
+        )
         last = {}
         for r in runs:
-            step = await s.scalar(select(StepRecord).where(StepRecord.run_id == r.id).order_by(StepRecord.step.desc()).limit(1))
+            step = await s.scalar(
+                select(StepRecord).where(StepRecord.run_id == r.id).order_by(StepRecord.step.desc()).limit(1)
+            )
             last[r.id] = step
     return [
         {
@@ -65,8 +77,18 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
         if run is None:
             raise HTTPException(404, f"no run {run_id!r}")
         steps = (await s.scalars(select(StepRecord).where(StepRecord.run_id == run_id).order_by(StepRecord.step))).all()
-        evals = (await s.scalars(select(EvalRecord).where(EvalRecord.run_id == run_id).order_by(EvalRecord.version, EvalRecord.id))).all()
-        groups = (await s.execute(select(TaskGroup.status, TaskGroup.reason, func.count()).where(TaskGroup.run_id == run_id).group_by(TaskGroup.status, TaskGroup.reason))).all()  # fmt: skip
+        evals = (
+            await s.scalars(
+                select(EvalRecord).where(EvalRecord.run_id == run_id).order_by(EvalRecord.version, EvalRecord.id)
+            )
+        ).all()
+        groups = (
+            await s.execute(
+                select(TaskGroup.status, TaskGroup.reason, func.count())
+                .where(TaskGroup.run_id == run_id)
+                .group_by(TaskGroup.status, TaskGroup.reason)
+            )
+        ).all()
         ages = (
             await s.execute(
                 select(TrajectoryRecord.trained_version, TrajectoryRecord.min_version).where(
@@ -79,11 +101,18 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
         T = TrajectoryRecord
         integrity = (
             await s.execute(
-                select(T.max_version, func.count(), func.sum(case((T.touched_protected, 1), else_=0)),
-                       func.sum(case((T.tampered, 1), else_=0)), func.sum(case((T.failure.is_not(None), 1), else_=0)))
-                .where(T.run_id == run_id, T.infra_error.is_(None)).group_by(T.max_version).order_by(T.max_version)
+                select(
+                    T.max_version,
+                    func.count(),
+                    func.sum(case((T.touched_protected, 1), else_=0)),
+                    func.sum(case((T.tampered, 1), else_=0)),
+                    func.sum(case((T.failure.is_not(None), 1), else_=0)),
+                )
+                .where(T.run_id == run_id, T.infra_error.is_(None))
+                .group_by(T.max_version)
+                .order_by(T.max_version)
             )
-        ).all()  # fmt: skip
+        ).all()
         failures = (
             await s.execute(
                 select(T.failure, func.count()).where(T.run_id == run_id, T.failure.is_not(None)).group_by(T.failure)
@@ -91,17 +120,50 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
         ).all()
         recent = (
             await s.scalars(
-                select(TrajectoryRecord).where(TrajectoryRecord.run_id == run_id).order_by(TrajectoryRecord.scored_at.desc()).limit(limit)
+                select(TrajectoryRecord)
+                .where(TrajectoryRecord.run_id == run_id)
+                .order_by(TrajectoryRecord.scored_at.desc())
+                .limit(limit)
             )
         ).all()
-    cols = ("trajectory_id", "group_id", "task_id", "sample_index", "reward", "passed", "infra_error", "num_turns",
-            "num_generated", "min_version", "max_version", "trained_version", "finish_reason", "trace_id", "purpose", "failure",
-            "touched_protected", "tampered")  # fmt: skip
+    cols = (
+        "trajectory_id",
+        "group_id",
+        "task_id",
+        "sample_index",
+        "reward",
+        "passed",
+        "infra_error",
+        "num_turns",
+        "num_generated",
+        "min_version",
+        "max_version",
+        "trained_version",
+        "finish_reason",
+        "trace_id",
+        "purpose",
+        "failure",
+        "touched_protected",
+        "tampered",
+    )
     return {
         "run": _row(run, "id", "name", "status", "detail", "created_at", "finished_at", "config"),
         "steps": [{**s.metrics, "recorded_at": s.recorded_at} for s in steps],
         "evaluations": [
-            _row(e, "version", "suite", "split", "tasks", "samples", "seed", "greedy_pass_rate", "pass_at_k", "per_task", "seconds", "created_at")
+            _row(
+                e,
+                "version",
+                "suite",
+                "split",
+                "tasks",
+                "samples",
+                "seed",
+                "greedy_pass_rate",
+                "pass_at_k",
+                "per_task",
+                "seconds",
+                "created_at",
+            )
             for e in evals
         ],
         "groups": [{"status": st, "reason": reason, "count": n} for st, reason, n in groups],
@@ -111,7 +173,13 @@ async def run_detail(db: Database, run_id: str, limit: int = 200) -> dict:
         # Reward hacking shows up here first: per policy version (of a trajectory's newest
         # token), how many scored trajectories changed protected paths or tampered.
         "integrity": [
-            {"version": v, "scored": n, "touched_protected": int(p or 0), "tampered": int(t or 0), "failed": int(f or 0)}
+            {
+                "version": v,
+                "scored": n,
+                "touched_protected": int(p or 0),
+                "tampered": int(t or 0),
+                "failed": int(f or 0),
+            }
             for v, n, p, t, f in integrity
         ],
         "failures": {reason: n for reason, n in failures},
@@ -125,12 +193,41 @@ async def trajectory_detail(db: Database, run_id: str, trajectory_id: str) -> di
     if t is None or t.run_id != run_id:
         raise HTTPException(404, f"no trajectory {trajectory_id!r} in run {run_id!r}")
     return _row(
-        t, "trajectory_id", "run_id", "group_id", "task_id", "sample_index", "dispatch_version", "min_version",
-        "max_version", "trained_version", "reward", "passed", "infra_error", "num_tokens", "num_generated", "num_turns",
-        "malformed_tool_calls", "finish_reason", "tests", "reward_terms", "test_output", "log_key", "messages",
-        "failure", "failure_detail", "touched_protected", "tampered", "integrity", "report",
-        "trace_id", "worker_id", "scored_at", "purpose", "eval_id",
-    )  # fmt: skip
+        t,
+        "trajectory_id",
+        "run_id",
+        "group_id",
+        "task_id",
+        "sample_index",
+        "dispatch_version",
+        "min_version",
+        "max_version",
+        "trained_version",
+        "reward",
+        "passed",
+        "infra_error",
+        "num_tokens",
+        "num_generated",
+        "num_turns",
+        "malformed_tool_calls",
+        "finish_reason",
+        "tests",
+        "reward_terms",
+        "test_output",
+        "log_key",
+        "messages",
+        "failure",
+        "failure_detail",
+        "touched_protected",
+        "tampered",
+        "integrity",
+        "report",
+        "trace_id",
+        "worker_id",
+        "scored_at",
+        "purpose",
+        "eval_id",
+    )
 
 
 def run_plots(d: dict) -> dict[str, str]:
@@ -149,23 +246,57 @@ def run_plots(d: dict) -> dict[str, str]:
         for k, p in e["pass_at_k"].items():
             pass_k.setdefault(k, []).append((e["version"], p))
     return {
-        "reward": line_chart("reward", "Training reward and pass rate per version",
-                             [Series("mean reward", v("mean_reward")), Series("pass rate", v("pass_rate"))], xlabel="version"),
-        "eval": line_chart("eval", "Held-out pass rate per version",
-                           [Series("greedy", greedy), *(Series(f"pass@{k}", p) for k, p in sorted(pass_k.items()))],
-                           xlabel="version", ylim=(0.0, 1.0)),
-        "update": line_chart("update", "Policy update: PPO clip fraction and KL to the reference",
-                             [Series("clip fraction", v("clip_frac")), Series("KL", v("kl"))], xlabel="version"),
-        "throughput": line_chart("throughput", "Trajectories trained per second", [Series("traj/s", rates)], xlabel="version"),
-        "idle": line_chart("idle", "Learner idle fraction (waiting for a batch)", [Series("idle", idle)], xlabel="version", ylim=(0.0, 1.0)),
-        "integrity": line_chart("integrity", "Reward integrity per version: trajectories that touched protected files or tampered",
-                                [Series("touched protected", [(r["version"], r["touched_protected"]) for r in d["integrity"] if r["version"] is not None]),
-                                 Series("tampered", [(r["version"], r["tampered"]) for r in d["integrity"] if r["version"] is not None])],
-                                xlabel="version"),
-        "staleness": histogram("staleness", "Staleness of trained trajectories (versions)", d["staleness"], xlabel="versions behind"),
-        "tokens": line_chart("tokens", "Generated tokens per step (off-policy share)",
-                             [Series("generated", v("generated_tokens")), Series("off-policy", v("off_policy_tokens"))], xlabel="version"),
-    }  # fmt: skip
+        "reward": line_chart(
+            "reward",
+            "Training reward and pass rate per version",
+            [Series("mean reward", v("mean_reward")), Series("pass rate", v("pass_rate"))],
+            xlabel="version",
+        ),
+        "eval": line_chart(
+            "eval",
+            "Held-out pass rate per version",
+            [Series("greedy", greedy), *(Series(f"pass@{k}", p) for k, p in sorted(pass_k.items()))],
+            xlabel="version",
+            ylim=(0.0, 1.0),
+        ),
+        "update": line_chart(
+            "update",
+            "Policy update: PPO clip fraction and KL to the reference",
+            [Series("clip fraction", v("clip_frac")), Series("KL", v("kl"))],
+            xlabel="version",
+        ),
+        "throughput": line_chart(
+            "throughput", "Trajectories trained per second", [Series("traj/s", rates)], xlabel="version"
+        ),
+        "idle": line_chart(
+            "idle",
+            "Learner idle fraction (waiting for a batch)",
+            [Series("idle", idle)],
+            xlabel="version",
+            ylim=(0.0, 1.0),
+        ),
+        "integrity": line_chart(
+            "integrity",
+            "Reward integrity per version: trajectories that touched protected files or tampered",
+            [
+                Series(
+                    "touched protected",
+                    [(r["version"], r["touched_protected"]) for r in d["integrity"] if r["version"] is not None],
+                ),
+                Series("tampered", [(r["version"], r["tampered"]) for r in d["integrity"] if r["version"] is not None]),
+            ],
+            xlabel="version",
+        ),
+        "staleness": histogram(
+            "staleness", "Staleness of trained trajectories (versions)", d["staleness"], xlabel="versions behind"
+        ),
+        "tokens": line_chart(
+            "tokens",
+            "Generated tokens per step (off-policy share)",
+            [Series("generated", v("generated_tokens")), Series("off-policy", v("off_policy_tokens"))],
+            xlabel="version",
+        ),
+    }
 
 
 def create_app(db: Database, *, token: str = "", title: str = "kiln", traces_dir: Path | None = None) -> FastAPI:

@@ -67,7 +67,9 @@ def _axes(xlo, xhi, ylo, yhi, xlabel: str, xticks: list[float] | None = None) ->
     return "".join(parts), sx, sy
 
 
-def line_chart(name: str, title: str, series: list[Series], *, xlabel: str, ylim: tuple[float, float] | None = None) -> str:
+def line_chart(
+    name: str, title: str, series: list[Series], *, xlabel: str, ylim: tuple[float, float] | None = None
+) -> str:
     pts = [p for s in series for p in s.points]
     if not pts:
         return _frame(name, title, "", True)

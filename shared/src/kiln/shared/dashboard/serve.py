@@ -31,12 +31,21 @@ def database_of_run(run_dir: Path):
 
 
 async def serve_dashboard(
-    db_url: str, host: str, port: int, token: str, stop: asyncio.Event, *, traces_dir: Path | None = None, title: str = "kiln"
+    db_url: str,
+    host: str,
+    port: int,
+    token: str,
+    stop: asyncio.Event,
+    *,
+    traces_dir: Path | None = None,
+    title: str = "kiln",
 ) -> tuple[str, asyncio.Task]:
     from kiln.shared.dashboard.app import create_app
 
     db = Database(db_url)
-    url, task = await serve_http(create_app(db, token=token, title=title, traces_dir=traces_dir), host, port, token, stop)
+    url, task = await serve_http(
+        create_app(db, token=token, title=title, traces_dir=traces_dir), host, port, token, stop
+    )
 
     async def close_after() -> None:
         try:

@@ -45,11 +45,17 @@ def load_spans(traces_dir: Path, trace_id: str) -> list[Span]:
                 if needle not in line:  # cheap filter before parsing
                     continue
                 d = json.loads(line)
-                spans.append(Span(
-                    name=d["name"], service=d["resource"]["attributes"].get("service.name", f.stem),
-                    span_id=d["context"]["span_id"], parent_id=d.get("parent_id"), start=_time(d["start_time"]),
-                    end=_time(d["end_time"]), attributes=d.get("attributes") or {},
-                ))  # fmt: skip
+                spans.append(
+                    Span(
+                        name=d["name"],
+                        service=d["resource"]["attributes"].get("service.name", f.stem),
+                        span_id=d["context"]["span_id"],
+                        parent_id=d.get("parent_id"),
+                        start=_time(d["start_time"]),
+                        end=_time(d["end_time"]),
+                        attributes=d.get("attributes") or {},
+                    )
+                )
     return spans
 
 

@@ -8,9 +8,9 @@ Schema changes only happen through Alembic migrations (``kiln db upgrade``, run 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url

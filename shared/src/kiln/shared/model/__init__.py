@@ -6,6 +6,14 @@ from kiln.shared.model.moe import FAMILIES, MoEConfig, MoEForCausalLM, sequence_
 from kiln.shared.model.upcycle import upcycle_checkpoint
 
 __all__ = [
-    "FAMILIES", "GroupedExperts", "MoEConfig", "MoEForCausalLM", "load_checkpoint", "load_config_json",
-    "save_checkpoint", "sequence_logprobs", "token_logprobs", "upcycle_checkpoint",
-]  # fmt: skip
+    "FAMILIES",
+    "GroupedExperts",
+    "MoEConfig",
+    "MoEForCausalLM",
+    "load_checkpoint",
+    "load_config_json",
+    "save_checkpoint",
+    "sequence_logprobs",
+    "token_logprobs",
+    "upcycle_checkpoint",
+]

@@ -45,8 +45,13 @@ _QWEN_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 _PROJ = {"qwen3_moe": _QWEN_PROJ, "qwen2_moe": _QWEN_PROJ, "mixtral": {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}}
 # Reading accepts every family's projection names (the config, not the names, decides).
 _READ_PROJ = {
-    "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down", "w1": "w_gate", "w3": "w_up", "w2": "w_down",
-}  # fmt: skip
+    "gate_proj": "w_gate",
+    "up_proj": "w_up",
+    "down_proj": "w_down",
+    "w1": "w_gate",
+    "w3": "w_up",
+    "w2": "w_down",
+}
 
 
 def to_hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:

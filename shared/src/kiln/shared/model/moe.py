@@ -34,27 +34,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from kiln.shared.model.experts import GroupedExperts
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 ARCHITECTURES = {
-    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-}  # fmt: skip
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 
 # transformers' defaults for keys a config.json may omit (configuration_<family>.py).
 _HF_DEFAULTS = {
-    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False, num_experts=128,
-                      num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=32768),
-    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, norm_topk_prob=True, num_local_experts=8,
-                    num_experts_per_tok=2, max_position_embeddings=4096 * 32),
-    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=False, num_experts=60,
-                      num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-                      qkv_bias=True, max_position_embeddings=32768),
-}  # fmt: skip
+    "qwen3_moe": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        norm_topk_prob=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        max_position_embeddings=32768,
+    ),
+    "mixtral": dict(
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        norm_topk_prob=True,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096 * 32,
+    ),
+    "qwen2_moe": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        norm_topk_prob=False,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        qkv_bias=True,
+        max_position_embeddings=32768,
+    ),
+}
 
 
 @dataclass
@@ -109,30 +132,49 @@ class MoEConfig:
     def to_hf(self) -> dict:
         """config.json of this family's HF model with these dimensions."""
         d = dict(
-            architectures=[ARCHITECTURES[self.family]], model_type=self.family,
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, num_experts_per_tok=self.num_experts_per_tok,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            architectures=[ARCHITECTURES[self.family]],
+            model_type=self.family,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_experts_per_tok=self.num_experts_per_tok,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
             # transformers 5 reads rope_parameters, older readers rope_theta.
-            rope_theta=self.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            router_aux_loss_coef=self.router_aux_loss_coef, tie_word_embeddings=self.tie_word_embeddings,
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, hidden_act="silu",
-            attention_dropout=0.0, output_router_logits=False, initializer_range=0.02, torch_dtype="float32",
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            output_router_logits=False,
+            initializer_range=0.02,
+            torch_dtype="float32",
             sliding_window=None,
-        )  # fmt: skip
+        )
         if self.family == "mixtral":
             # Mixtral's intermediate_size *is* the expert width.
             d.update(
-                num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size, router_jitter_noise=0.0
+                num_local_experts=self.num_experts,
+                intermediate_size=self.moe_intermediate_size,
+                router_jitter_noise=0.0,
             )
         else:
             d.update(
-                num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                use_sliding_window=False,
                 # intermediate_size is the dense-MLP width of mlp_only_layers (none here).
                 intermediate_size=self.moe_intermediate_size * self.num_experts_per_tok,
-            )  # fmt: skip
+            )
         if self.family == "qwen3_moe":
             d.update(attention_bias=False)
         if self.family == "qwen2_moe":

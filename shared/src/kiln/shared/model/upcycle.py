@@ -35,9 +35,15 @@ from kiln.shared.model.moe import MoEConfig, MoEForCausalLM
 
 DENSE_TYPES = ("llama", "mistral")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # LlamaConfig's defaults for keys a config.json may omit.
 _LLAMA_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -61,15 +67,23 @@ def dense_to_moe_config(dense: dict, num_experts: int, top_k: int) -> MoEConfig:
         raise ValueError(f"need 1 <= top_k ({top_k}) <= num_experts ({num_experts})")
     return MoEConfig(
         family="mixtral",
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        num_hidden_layers=d["num_hidden_layers"],
         num_attention_heads=d["num_attention_heads"],
         num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
         head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=d["intermediate_size"],
-        max_position_embeddings=d["max_position_embeddings"], rope_theta=rope.get("rope_theta", d["rope_theta"]),
-        rms_norm_eps=d["rms_norm_eps"], norm_topk_prob=True, tie_word_embeddings=d["tie_word_embeddings"],
-        bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-    )  # fmt: skip
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=d["intermediate_size"],
+        max_position_embeddings=d["max_position_embeddings"],
+        rope_theta=rope.get("rope_theta", d["rope_theta"]),
+        rms_norm_eps=d["rms_norm_eps"],
+        norm_topk_prob=True,
+        tie_word_embeddings=d["tie_word_embeddings"],
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
+    )
 
 
 def upcycle_state_dict(

@@ -131,14 +131,18 @@ def _load(path: str) -> TaskSuite:
     if p.is_dir():
         envs = p / "environments.toml"
         environments = parse_environments(tomllib.loads(envs.read_text()), p) if envs.is_file() else []
-        return TaskSuite([_load_dir_task(d) for d in sorted(p.iterdir()) if (d / "task.toml").exists()], path, environments)
+        return TaskSuite(
+            [_load_dir_task(d) for d in sorted(p.iterdir()) if (d / "task.toml").exists()], path, environments
+        )
     if not p.is_file():
         raise FileNotFoundError(f"task suite not found: {path}")
     if p.suffix == ".toml":
         manifest = tomllib.loads(p.read_text())
         if "tasks" not in manifest:
-            raise ValueError(f"{path}: a TOML suite names its tasks file (tasks = \"tasks.jsonl\")")
-        return TaskSuite(_read_jsonl((p.parent / manifest["tasks"]).resolve()), path, parse_environments(manifest, p.parent))
+            raise ValueError(f'{path}: a TOML suite names its tasks file (tasks = "tasks.jsonl")')
+        return TaskSuite(
+            _read_jsonl((p.parent / manifest["tasks"]).resolve()), path, parse_environments(manifest, p.parent)
+        )
     return TaskSuite(_read_jsonl(p), path)
 
 
@@ -210,4 +214,3 @@ def write_suite(tasks: list[Task], environments: list[EnvironmentSpec], out: str
             f.write(t.model_dump_json() + "\n")
     os.replace(tmp, out / "tasks.jsonl")
     return write_suite_file(out / "suite.toml", "tasks.jsonl", environments, comment)
-

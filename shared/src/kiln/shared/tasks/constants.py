@@ -20,8 +20,24 @@ import random
 from kiln.shared.tasks import Task
 
 MODULES = ("config", "settings", "limits", "params", "defaults", "options", "tuning", "sizes")
-NAMES = ("LIMIT", "TIMEOUT", "RETRIES", "WIDTH", "HEIGHT", "DEPTH", "PORT", "SIZE",
-         "COUNT", "LEVEL", "SCALE", "OFFSET", "BATCH", "WORKERS", "STEPS", "RATE")  # fmt: skip
+NAMES = (
+    "LIMIT",
+    "TIMEOUT",
+    "RETRIES",
+    "WIDTH",
+    "HEIGHT",
+    "DEPTH",
+    "PORT",
+    "SIZE",
+    "COUNT",
+    "LEVEL",
+    "SCALE",
+    "OFFSET",
+    "BATCH",
+    "WORKERS",
+    "STEPS",
+    "RATE",
+)
 TRAIN = 480
 HELDOUT = 48
 SEED = 1234
@@ -71,6 +87,12 @@ def _task(index: int, split: str, module: str, target: str, old: int, new: int, 
         split=split,
         solution={f"{module}.py": fixed},
         timeout_s=30.0,
-        metadata={"family": "constants", "module": f"{module}.py", "constant": target, "old": old, "new": new,
-                  "target_line": 2 if index % 2 else 1},
+        metadata={
+            "family": "constants",
+            "module": f"{module}.py",
+            "constant": target,
+            "old": old,
+            "new": new,
+            "target_line": 2 if index % 2 else 1,
+        },
     )

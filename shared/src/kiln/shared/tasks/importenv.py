@@ -18,21 +18,34 @@ from __future__ import annotations
 
 import re
 import tomllib
-from datetime import datetime, timezone
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kiln.shared.environments import PythonSpec
 from kiln.shared.tasks.testdeps import Tree, is_installable, own_modules, test_dependencies
 
 DEFAULT_INTERPRETER = PythonSpec.model_fields["interpreter"].default
-ENV_SPEC_KEYS = {"interpreter", "python", "install_project", "extras", "requirements_files", "packages",
-                 "pip_packages", "extra_packages", "exclude_newer", "setup"}
+ENV_SPEC_KEYS = {
+    "interpreter",
+    "python",
+    "install_project",
+    "extras",
+    "requirements_files",
+    "packages",
+    "pip_packages",
+    "extra_packages",
+    "exclude_newer",
+    "setup",
+}
 ERAS = ("auto", "commit", "none")
 """``--exclude-newer`` modes besides a date: ``auto`` (``created_at``, else the commit's
 date), ``commit`` (the commit's date), ``none`` (the newest releases)."""
-SRC_PTH = ('python -c "import site; open(site.getsitepackages()[0] + \'/kiln-workspace-src.pth\', \'w\')'
-           '.write(\'/workspace/src\\n\')"')
+SRC_PTH = (
+    "python -c \"import site; open(site.getsitepackages()[0] + '/kiln-workspace-src.pth', 'w')"
+    ".write('/workspace/src\\n')\""
+)
 """The setup command that puts a non-installable repository's ``src/`` on the venv's path."""
 
 
@@ -72,7 +85,9 @@ def _requirement_name(req: str) -> str:
     return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else ""
 
 
-def inferred_python(tree: Tree, interpreter: str, runner: str, exclude_newer: str | None) -> tuple[PythonSpec, list[str], str]:
+def inferred_python(
+    tree: Tree, interpreter: str, runner: str, exclude_newer: str | None
+) -> tuple[PythonSpec, list[str], str]:
     """(python spec, setup commands, where the test requirements came from) for the
     repository ``tree``: the project editable when installable, its test requirements,
     pytest when the tests run with it."""
@@ -84,8 +99,14 @@ def inferred_python(tree: Tree, interpreter: str, runner: str, exclude_newer: st
     setup = []
     if not installable and any(f.startswith("src/") and f.endswith(".py") for f in tree.files()) and own_modules(tree):
         setup = [SRC_PTH]
-    spec = PythonSpec(interpreter=interpreter, install_project=installable, extras=deps.extras if installable else [],
-                      requirements_files=deps.requirements_files, packages=packages, exclude_newer=exclude_newer)
+    spec = PythonSpec(
+        interpreter=interpreter,
+        install_project=installable,
+        extras=deps.extras if installable else [],
+        requirements_files=deps.requirements_files,
+        packages=packages,
+        exclude_newer=exclude_newer,
+    )
     return spec, setup, deps.source or "nothing declared"
 
 
@@ -97,17 +118,17 @@ def moment(value: Any) -> str | None:
     an offset or none: UTC), or seconds / milliseconds since the epoch (exports of
     parquet timestamps); None when it is none of those."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        when = datetime.fromtimestamp(value / 1000 if value > 1e11 else value, timezone.utc)
+        when = datetime.fromtimestamp(value / 1000 if value > 1e11 else value, UTC)
     elif isinstance(value, str) and value.strip():
         try:
             when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
         except ValueError:
             return None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
+            when = when.replace(tzinfo=UTC)
     else:
         return None
-    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def check_era(mode: str) -> str:
@@ -144,5 +165,8 @@ def image_archive(images: Path | None, names: Iterable[str]) -> Path | None:
 def swebench_images(instance_id: str) -> list[str]:
     """The SWE-bench harness's instance image names (Docker Hub and local)."""
     key = instance_id.replace("__", "_1776_").lower()
-    return [f"swebench/sweb.eval.x86_64.{key}:latest", f"sweb.eval.x86_64.{key}:latest",
-            f"sweb.eval.x86_64.{instance_id.lower()}:latest"]
+    return [
+        f"swebench/sweb.eval.x86_64.{key}:latest",
+        f"sweb.eval.x86_64.{key}:latest",
+        f"sweb.eval.x86_64.{instance_id.lower()}:latest",
+    ]

@@ -28,18 +28,36 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kiln.shared.environments import EnvironmentSpec, GitRepository, HostBase, OciBase, PythonSpec
 from kiln.shared.tasks import Task, write_suite
 from kiln.shared.tasks.importenv import (
-    DEFAULT_INTERPRETER, check_era, image_archive, inferred_python, load_env_specs, moment, override, swebench_images,
+    DEFAULT_INTERPRETER,
+    check_era,
+    image_archive,
+    inferred_python,
+    load_env_specs,
+    moment,
+    override,
+    swebench_images,
 )
 from kiln.shared.tasks.swe import (
-    _UNITTEST_ID, CONVENTIONS, GitRepo, PatchDoesNotApply, Skip, _convert_ids, _id_list, _text, apply_patch,
-    find_repository, format_mismatch, test_command,
+    _UNITTEST_ID,
+    CONVENTIONS,
+    GitRepo,
+    PatchDoesNotApply,
+    Skip,
+    _convert_ids,
+    _id_list,
+    _text,
+    apply_patch,
+    find_repository,
+    format_mismatch,
+    test_command,
 )
 from kiln.shared.tasks.testdeps import GitTree, is_test_path
 
@@ -137,8 +155,10 @@ class Importer:
     def _repo(self, names: list[str]) -> GitRepo:
         path = find_repository(self.repos, names)
         if path is None:
-            raise Skip(f"repository {names[0]!r} not in {self.repos} (looked for {', '.join(dict.fromkeys(n.replace('/', '__') for n in names))})",
-                       kind="repository not in --repos")
+            raise Skip(
+                f"repository {names[0]!r} not in {self.repos} (looked for {', '.join(dict.fromkeys(n.replace('/', '__') for n in names))})",
+                kind="repository not in --repos",
+            )
         return GitRepo(path)
 
     def _commit(self, repo: GitRepo, *revs: str | None) -> str:
@@ -147,7 +167,9 @@ class Importer:
                 return full
         raise Skip(f"commit {next((r for r in revs if r), '?')!r} not found in {repo.path}", kind="commit not found")
 
-    def _env(self, repo: GitRepo, commit: str, image: Path | None, python: PythonSpec | None, setup: list[str]) -> dict[str, Any]:
+    def _env(
+        self, repo: GitRepo, commit: str, image: Path | None, python: PythonSpec | None, setup: list[str]
+    ) -> dict[str, Any]:
         env: dict[str, Any] = {"repository": GitRepository(url=str(repo.path), commit=commit).model_dump()}
         if image is not None:
             env["base"] = OciBase(archive=str(image)).model_dump()
@@ -167,19 +189,37 @@ class Importer:
             return repo.commit_date(commit)
         return self.exclude_newer
 
-    def _python(self, row: dict[str, Any], repo_name: str, repo: GitRepo, commit: str, runner: str) -> tuple[PythonSpec, list[str]]:
+    def _python(
+        self, row: dict[str, Any], repo_name: str, repo: GitRepo, commit: str, runner: str
+    ) -> tuple[PythonSpec, list[str]]:
         """What the repository at ``commit`` declares for its tests, as of the instance's
         era, with the ``--env-specs`` table of ``repo@version`` or ``repo`` over it."""
-        spec, setup, _ = inferred_python(GitTree(repo.path, commit), self.interpreter, runner,
-                                         self._era(row, repo, commit))
+        spec, setup, _ = inferred_python(
+            GitTree(repo.path, commit), self.interpreter, runner, self._era(row, repo, commit)
+        )
         version = str(row.get("version") or "")
         for key in (f"{repo_name}@{version}", repo_name):
             if key in self.env_specs:
                 return override(spec, setup, self.env_specs[key])
         return spec, setup
 
-    def _task(self, iid: str, row: dict[str, Any], *, files, test_files, solution, runner, repo_name, test_paths,
-              f2p, p2p, dropped, image, metadata) -> dict[str, Any]:
+    def _task(
+        self,
+        iid: str,
+        row: dict[str, Any],
+        *,
+        files,
+        test_files,
+        solution,
+        runner,
+        repo_name,
+        test_paths,
+        f2p,
+        p2p,
+        dropped,
+        image,
+        metadata,
+    ) -> dict[str, Any]:
         python = self.image_python if image is not None else "python"
         meta = {"instance_id": iid, "repo": repo_name, "format": self.fmt, **metadata}
         if image is not None:
@@ -187,10 +227,16 @@ class Importer:
         if dropped:
             meta["dropped_pass_to_pass"] = dropped
         return {
-            "id": iid, "problem_statement": str(row.get("problem_statement") or ""),
-            "files": files, "test_files": test_files, "solution": solution or None,
+            "id": iid,
+            "problem_statement": str(row.get("problem_statement") or ""),
+            "files": files,
+            "test_files": test_files,
+            "solution": solution or None,
             "test_command": test_command(runner, repo_name, test_paths, f2p + p2p, python),
-            "fail_to_pass": f2p, "pass_to_pass": p2p, "split": self.split, "timeout_s": self.timeout_s,
+            "fail_to_pass": f2p,
+            "pass_to_pass": p2p,
+            "split": self.split,
+            "timeout_s": self.timeout_s,
             "metadata": meta,
         }
 
@@ -215,14 +261,19 @@ class Importer:
         except PatchDoesNotApply as e:
             if not e.reversed:
                 raise
-            raise Skip(f"patch (the fix) applies only in reverse at {commit[:12]}: the repository there already has it. "
-                       f"--format {self.fmt} expects {CONVENTIONS['swe-bench']}: give the commit with the bug as "
-                       "base_commit (a set whose `patch` introduces the bug into a clean commit is SWE-smith's: "
-                       "--format swe-smith)", kind="format mismatch: patch applies in reverse") from None
+            raise Skip(
+                f"patch (the fix) applies only in reverse at {commit[:12]}: the repository there already has it. "
+                f"--format {self.fmt} expects {CONVENTIONS['swe-bench']}: give the commit with the bug as "
+                "base_commit (a set whose `patch` introduces the bug into a clean commit is SWE-smith's: "
+                "--format swe-smith)",
+                kind="format mismatch: patch applies in reverse",
+            ) from None
         test_files = {p: t for p, t in tests_after.items() if t is not None}
         f2p_raw = _id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
         p2p_raw = _id_list(row.get("PASS_TO_PASS"), "PASS_TO_PASS")
-        runner, f2p, p2p, dropped = _convert_ids(f2p_raw, p2p_raw, test_files or _bare_id_sources(tree, f2p_raw + p2p_raw))
+        runner, f2p, p2p, dropped = _convert_ids(
+            f2p_raw, p2p_raw, test_files or _bare_id_sources(tree, f2p_raw + p2p_raw)
+        )
         if test_files:
             test_paths = [p for p in test_files if p.endswith(".py") and _is_test_path(p)]
         else:  # no test patch: the tests are in the repository at base_commit, and protected from there
@@ -231,12 +282,29 @@ class Importer:
             extra["tests_in_repository"] = True
         image = image_archive(self.images, [row.get("image_name"), row.get("docker_image"), *swebench_images(iid)])
         python, setup = self._python(row, repo_name, repo, commit, runner)
-        task = self._task(iid, row, files={}, test_files=test_files, runner=runner, repo_name=repo_name,
-                          solution={p: t for p, t in gold_after.items() if t is not None},
-                          test_paths=test_paths, f2p=f2p, p2p=p2p, dropped=dropped, image=image,
-                          metadata={"base_commit": commit, "version": str(row.get("version") or ""),
-                                    "environment_setup_commit": row.get("environment_setup_commit") or "", **extra})
-        return _Mapped(f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
+        task = self._task(
+            iid,
+            row,
+            files={},
+            test_files=test_files,
+            runner=runner,
+            repo_name=repo_name,
+            solution={p: t for p, t in gold_after.items() if t is not None},
+            test_paths=test_paths,
+            f2p=f2p,
+            p2p=p2p,
+            dropped=dropped,
+            image=image,
+            metadata={
+                "base_commit": commit,
+                "version": str(row.get("version") or ""),
+                "environment_setup_commit": row.get("environment_setup_commit") or "",
+                **extra,
+            },
+        )
+        return _Mapped(
+            f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task
+        )
 
     # -- SWE-smith: the repository is clean, ``patch`` introduces the bug --
 
@@ -254,10 +322,13 @@ class Importer:
         except PatchDoesNotApply as e:
             if not e.reversed:
                 raise
-            raise Skip(f"patch (the bug) applies only in reverse at {commit[:12]}: the repository there already holds "
-                       f"it. --format swe-smith expects {CONVENTIONS['swe-smith']}; a commit that holds the bug with "
-                       f"`patch` as its fix follows SWE-bench's conventions ({CONVENTIONS['swe-bench']}): "
-                       "--format swe-bench", kind="format mismatch: patch applies in reverse") from None
+            raise Skip(
+                f"patch (the bug) applies only in reverse at {commit[:12]}: the repository there already holds "
+                f"it. --format swe-smith expects {CONVENTIONS['swe-smith']}; a commit that holds the bug with "
+                f"`patch` as its fix follows SWE-bench's conventions ({CONVENTIONS['swe-bench']}): "
+                "--format swe-bench",
+                kind="format mismatch: patch applies in reverse",
+            ) from None
         if any(t is None for t in buggy.values()):
             raise Skip("the bug patch deletes or renames a file (task files cannot delete)")
         f2p_raw = _id_list(row.get("FAIL_TO_PASS"), "FAIL_TO_PASS")
@@ -272,11 +343,26 @@ class Importer:
                 test_files[p] = _text(data, p)
         image = image_archive(self.images, [row.get("image_name"), row.get("docker_image")])
         python, setup = self._python(row, repo_name, repo, commit, runner)
-        task = self._task(iid, row, files={p: t for p, t in buggy.items() if t is not None}, test_files=test_files,
-                          solution={p: t for p, t in clean.items() if t is not None}, runner=runner,
-                          repo_name=repo_name, test_paths=f2p_files, f2p=f2p, p2p=p2p, dropped=dropped, image=image,
-                          metadata={"base_commit": commit, "version": "", "swe_smith_repo": raw_repo,
-                                    "image_name": row.get("image_name") or ""})
+        task = self._task(
+            iid,
+            row,
+            files={p: t for p, t in buggy.items() if t is not None},
+            test_files=test_files,
+            solution={p: t for p, t in clean.items() if t is not None},
+            runner=runner,
+            repo_name=repo_name,
+            test_paths=f2p_files,
+            f2p=f2p,
+            p2p=p2p,
+            dropped=dropped,
+            image=image,
+            metadata={
+                "base_commit": commit,
+                "version": "",
+                "swe_smith_repo": raw_repo,
+                "image_name": row.get("image_name") or "",
+            },
+        )
         return _Mapped(f"{base}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
 
     # -- R2E-Gym: commit_hash is the fix; its parent the start; tests in r2e_tests/ --
@@ -308,11 +394,29 @@ class Importer:
                     solution[path] = _text(data, path)
         image = image_archive(self.images, [row.get("docker_image")])
         python, setup = self._python(row, repo_name, repo, commit, runner)
-        task = self._task(iid, row, files={}, test_files=test_files, solution=solution, runner=runner,
-                          repo_name=repo_name, test_paths=sorted(test_files), f2p=f2p, p2p=p2p, dropped=dropped,
-                          image=image, metadata={"base_commit": commit, "version": "", "commit_hash": fix,
-                                                 "docker_image": row.get("docker_image") or ""})
-        return _Mapped(f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task)
+        task = self._task(
+            iid,
+            row,
+            files={},
+            test_files=test_files,
+            solution=solution,
+            runner=runner,
+            repo_name=repo_name,
+            test_paths=sorted(test_files),
+            f2p=f2p,
+            p2p=p2p,
+            dropped=dropped,
+            image=image,
+            metadata={
+                "base_commit": commit,
+                "version": "",
+                "commit_hash": fix,
+                "docker_image": row.get("docker_image") or "",
+            },
+        )
+        return _Mapped(
+            f"{repo_name.replace('/', '__')}@{commit[:12]}", self._env(repo, commit, image, python, setup), task
+        )
 
 
 def r2e_parse_log(log: str) -> dict[str, str]:
@@ -336,7 +440,8 @@ def _r2e_id(name: str, test_files: dict[str, str]) -> str:
     for path in sorted(test_files):
         src = test_files[path]
         if re.search(rf"^\s*(?:async\s+)?def {re.escape(func)}\s*\(", src, re.M) and all(
-                re.search(rf"^\s*class {re.escape(c)}\b", src, re.M) for c in parts[:-1]):
+            re.search(rf"^\s*class {re.escape(c)}\b", src, re.M) for c in parts[:-1]
+        ):
             return f"{path}::{'::'.join(parts)}"
     raise Skip(f"R2E test {name!r}: no test file defines it")
 
@@ -365,12 +470,22 @@ def _files_of_ids(tree: GitTree, runner: str, f2p: list[str], p2p: list[str]) ->
                 found = path in files
             else:  # module.Class.test: the longest dotted prefix that is a file
                 parts = tid.split(".")
-                path = next((p for n in range(len(parts) - 1, 0, -1)
-                             for p in ("/".join(parts[:n]) + ".py", "/".join(parts[:n]) + "/__init__.py") if p in files), "")
+                path = next(
+                    (
+                        p
+                        for n in range(len(parts) - 1, 0, -1)
+                        for p in ("/".join(parts[:n]) + ".py", "/".join(parts[:n]) + "/__init__.py")
+                        if p in files
+                    ),
+                    "",
+                )
                 found = bool(path)
             if not found:
-                raise Skip(f"{which} test {tid!r} names a file that is not in the repository at {tree.commit[:12]} "
-                           "(and there is no test_patch to add it)", kind="test file not in the repository")
+                raise Skip(
+                    f"{which} test {tid!r} names a file that is not in the repository at {tree.commit[:12]} "
+                    "(and there is no test_patch to add it)",
+                    kind="test file not in the repository",
+                )
             if path not in out:
                 out[path] = _text(tree.read(path) or b"", path)
     return out
@@ -425,9 +540,17 @@ def cmd_import(a) -> int:
     try:
         rows = read_rows(a.file)
         env_specs = load_env_specs(a.env_specs) if a.env_specs else {}
-        importer = Importer(a.format, Path(a.repos), Path(a.images) if a.images else None, env_specs,
-                            a.interpreter or DEFAULT_INTERPRETER, a.image_python or "python", a.split, a.timeout_s,
-                            getattr(a, "exclude_newer", "") or "auto")
+        importer = Importer(
+            a.format,
+            Path(a.repos),
+            Path(a.images) if a.images else None,
+            env_specs,
+            a.interpreter or DEFAULT_INTERPRETER,
+            a.image_python or "python",
+            a.split,
+            a.timeout_s,
+            getattr(a, "exclude_newer", "") or "auto",
+        )
     except (OSError, ValueError) as e:
         print(f"kiln tasks import: {e}", file=sys.stderr)
         return 2
@@ -437,8 +560,10 @@ def cmd_import(a) -> int:
     out = sys.stdout if result.tasks else sys.stderr
     if result.tasks:
         suite = write_suite(result.tasks, result.environments, a.out, "written by kiln tasks import")
-        print(f"imported {len(result.tasks)} tasks over {len(result.environments)} environments into {suite}; "
-              f"skipped {len(result.skipped)}")
+        print(
+            f"imported {len(result.tasks)} tasks over {len(result.environments)} environments into {suite}; "
+            f"skipped {len(result.skipped)}"
+        )
     else:
         print(f"imported 0 tasks; skipped {len(result.skipped)}", file=out)
     if result.skipped:
@@ -446,7 +571,9 @@ def cmd_import(a) -> int:
         for kind, n in result.by_reason():
             print(f"  {n:5d}  {kind}", file=out)
     if result.tasks:
-        print(f"next: kiln tasks validate --suite {suite}   (each task's tests in its environment: FAIL_TO_PASS "
-              "fails unchanged, everything passes with the gold patch, the tests import the repository's own code)")
+        print(
+            f"next: kiln tasks validate --suite {suite}   (each task's tests in its environment: FAIL_TO_PASS "
+            "fails unchanged, everything passes with the gold patch, the tests import the repository's own code)"
+        )
         return 0
     return 1

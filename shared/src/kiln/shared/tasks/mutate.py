@@ -27,8 +27,18 @@ from dataclasses import dataclass
 
 KINDS = ("compare", "binop", "constant", "remove", "negate")
 
-_COMPARE_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
-                 ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+_COMPARE_SWAP = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
 _BINOP_SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult}
 _BOOL_SWAP = {ast.And: ast.Or, ast.Or: ast.And}
 
@@ -57,6 +67,7 @@ class Mutation:
 
 def _functions(tree: ast.AST):
     """(qualified name, function node) for every function, methods and nested ones included."""
+
     def walk(node, prefix):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -75,7 +86,12 @@ def _own_nodes(func: ast.AST):
     """Nodes of ``func``'s body that belong to it, not to a nested function or class, and
     are not its docstring, decorators, annotations or default arguments."""
     body = list(func.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     stack = list(reversed(body))
     while stack:
@@ -114,8 +130,12 @@ def _sites(func: ast.AST):
             for i, op in enumerate(node.ops):
                 if type(op) in _COMPARE_SWAP:
                     new = _COMPARE_SWAP[type(op)]
-                    yield ("compare", node, _replace_op(node, i, new),
-                           f"comparison {type(op).__name__} -> {new.__name__}")
+                    yield (
+                        "compare",
+                        node,
+                        _replace_op(node, i, new),
+                        f"comparison {type(op).__name__} -> {new.__name__}",
+                    )
         elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAP:
             new = _BINOP_SWAP[type(node.op)]
             yield "binop", node, _with(node, op=new()), f"operator {type(node.op).__name__} -> {new.__name__}"
@@ -133,8 +153,12 @@ def _sites(func: ast.AST):
             if v is not None and v is not Ellipsis and not isinstance(v, bool):
                 yield "constant", node, _with(node, value=None), f"constant {v!r} -> None"
         elif isinstance(node, (ast.If, ast.While)):
-            yield ("negate", node.test, _with(node.test, _negate=True),
-                   f"condition of {type(node).__name__.lower()} negated")
+            yield (
+                "negate",
+                node.test,
+                _with(node.test, _negate=True),
+                f"condition of {type(node).__name__.lower()} negated",
+            )
         elif isinstance(node, ast.IfExp):
             yield "negate", node.test, _with(node.test, _negate=True), "condition of a conditional expression negated"
     for block in _blocks(func):
@@ -142,7 +166,8 @@ def _sites(func: ast.AST):
             continue
         for stmt in block:
             if isinstance(stmt, (ast.Return, ast.Assign, ast.AugAssign, ast.AnnAssign)) or (
-                    isinstance(stmt, ast.Expr) and isinstance(stmt.value, (ast.Call, ast.Await))):
+                isinstance(stmt, ast.Expr) and isinstance(stmt.value, (ast.Call, ast.Await))
+            ):
                 yield "remove", stmt, None, f"{type(stmt).__name__.lower()} statement removed"
 
 
@@ -177,7 +202,7 @@ def _offsets(src: bytes) -> list[int]:
 class Site:
     """A mutation not yet rendered (cheap to list; ``render`` checks and splices it)."""
 
-    file: "_File"
+    file: _File
     function: str
     kind: str
     node: ast.AST
@@ -258,8 +283,18 @@ class _File:
             except SyntaxError:
                 continue
             if got == want:
-                return Mutation(self.path, site.function, site.kind, site.description, node.lineno, node.end_lineno,
-                                self.source, new_src.decode(), src[a:b].decode(), candidate.decode())
+                return Mutation(
+                    self.path,
+                    site.function,
+                    site.kind,
+                    site.description,
+                    node.lineno,
+                    node.end_lineno,
+                    self.source,
+                    new_src.decode(),
+                    src[a:b].decode(),
+                    candidate.decode(),
+                )
         return None
 
 
@@ -271,8 +306,11 @@ def sites(path: str, source: str) -> list[Site]:
     except SyntaxError:
         return []
     f = _File(path, source, tree)
-    return [Site(f, qualname, kind, node, change, description)
-            for qualname, func in _functions(tree) for kind, node, change, description in _sites(func)]
+    return [
+        Site(f, qualname, kind, node, change, description)
+        for qualname, func in _functions(tree)
+        for kind, node, change, description in _sites(func)
+    ]
 
 
 def mutations(path: str, source: str) -> list[Mutation]:

@@ -159,7 +159,9 @@ def revert_config_changes(out: CleanRoomPlan, pristine: dict[str, str | None]) -
         except RecursionError:  # parsed, but too deep to compare: a change like any other
             differs = True
         if differs:
-            out.protected[path] = f"test configuration {path} (its [{'tool.pytest' if name == 'pyproject.toml' else 'pytest'}] section)"
+            out.protected[path] = (
+                f"test configuration {path} (its [{'tool.pytest' if name == 'pyproject.toml' else 'pytest'}] section)"
+            )
             out.changed.pop(path, None)
             if path in out.deleted:
                 out.deleted.remove(path)

@@ -12,7 +12,9 @@ import re
 
 from kiln.shared.contracts import CaseStatus
 
-_UNITTEST = re.compile(r"^(\w+) \(([\w.]+)\)(?:\n.*?)? \.\.\. (ok|FAIL|ERROR|skipped|expected failure|unexpected success)", re.M)
+_UNITTEST = re.compile(
+    r"^(\w+) \(([\w.]+)\)(?:\n.*?)? \.\.\. (ok|FAIL|ERROR|skipped|expected failure|unexpected success)", re.M
+)
 _PYTEST = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.M)
 
 _UNITTEST_STATUS = {

@@ -65,7 +65,14 @@ MAX_SOURCE_BYTES = 8 << 20
 MAX_NEIGHBOUR_BYTES = 32 << 20
 MAX_NEIGHBOURS = 5000
 CHILD_SOURCE = None  # runner_command inlines runner_child.py + runner_drivers.py here: (source, magic, code)
-MARKS = {"xfail": "xfail", "expectedFailure": "xfail", "skip": "skip", "skipIf": "skip", "skipUnless": "skip", "skipif": "skip"}
+MARKS = {
+    "xfail": "xfail",
+    "expectedFailure": "xfail",
+    "skip": "skip",
+    "skipIf": "skip",
+    "skipUnless": "skip",
+    "skipif": "skip",
+}
 
 
 def _sha256():
@@ -131,7 +138,6 @@ def _framework(framework):
     import unittest.suite  # noqa: F401
 
     if framework == "pytest":
-        import pytest  # noqa: F401
         import _pytest.assertion.rewrite  # noqa: F401
         import _pytest.main  # noqa: F401
         import _pytest.python  # noqa: F401
@@ -139,6 +145,7 @@ def _framework(framework):
         import _pytest.runner  # noqa: F401
         import _pytest.skipping  # noqa: F401
         import _pytest.unittest  # noqa: F401
+        import pytest  # noqa: F401
 
 
 def _declared(tree):
@@ -162,7 +169,9 @@ def _declared(tree):
                 out[q] = out.get(q, set()) | marks(node.decorator_list)
                 if isinstance(node, ast.ClassDef):
                     visit(node.body, q + ".")
-            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+            ):
                 q = prefix[:-1]
                 out[q] = out.get(q, set()) | marks([node.value])
 
@@ -228,7 +237,7 @@ def _neighbours(wanted, cwd):
             continue
         root = os.path.join(cwd, *parts[: top + 1])
         for where, dirs, files in os.walk(root):
-            depth = where[len(root):].count(os.sep)
+            depth = where[len(root) :].count(os.sep)
             if depth >= 16:
                 dirs[:] = []
             dirs.sort()
@@ -322,7 +331,9 @@ def _child_namespace():
     if MAGIC_NUMBER.hex() == magic:  # kiln's own compilation, for this bytecode version
         code = marshal.loads(zlib.decompress(base64.b64decode(compiled)))
     else:
-        code = compile(zlib.decompress(base64.b64decode(source)).decode(), "<kiln-runner-child>", "exec", dont_inherit=True)
+        code = compile(
+            zlib.decompress(base64.b64decode(source)).decode(), "<kiln-runner-child>", "exec", dont_inherit=True
+        )
     ns = {"__builtins__": dict(vars(builtins)), "__name__": "kiln-runner-child"}
     exec(code, ns)
     return ns
@@ -346,7 +357,7 @@ def read_events(fd, key_fd, token, key, pid, timeout_s):
                 mask = by_token.digest(b"key")
                 out = bytes(a ^ b for a, b in zip(key, mask))
                 while out:
-                    out = out[os.write(key_fd, out):]
+                    out = out[os.write(key_fd, out) :]
                 os.close(key_fd)
             else:
                 problems.append("unauthenticated output before the runner was ready: %r" % line[:60])
@@ -494,7 +505,7 @@ def main():
     events, problems, timed_out, status = read_events(read_fd, key_write, token, key, pid, float(cfg["timeout_s"]))
     out = json.dumps(report(cfg, events, problems, timed_out, status, time.monotonic() - t0, findings)).encode()
     while out:
-        out = out[os.write(1, out):]
+        out = out[os.write(1, out) :]
     os._exit(0)  # nothing left to finalise: the report is written
 
 

@@ -90,8 +90,20 @@ __unittest = True  # unittest leaves this code's frames out of tracebacks
 REPORT_PATH = ("write", "read", "close", "_exit", "dup2", "fstat", "fork", "pipe", "kill", "killpg")
 """os functions a report depends on: replaced, they are tampering."""
 FRAMEWORK_TOPS = ("unittest", "pytest", "_pytest", "pluggy")
-CORE = ("unittest.case", "_pytest.runner", "_pytest.python", "_pytest.reports", "_pytest.skipping", "_pytest.outcomes",
-        "_pytest.unittest", "_pytest.main", "pluggy._callers", "pluggy._hooks", "pluggy._result", "pluggy._manager")
+CORE = (
+    "unittest.case",
+    "_pytest.runner",
+    "_pytest.python",
+    "_pytest.reports",
+    "_pytest.skipping",
+    "_pytest.outcomes",
+    "_pytest.unittest",
+    "_pytest.main",
+    "pluggy._callers",
+    "pluggy._hooks",
+    "pluggy._result",
+    "pluggy._manager",
+)
 """Modules checked after every test (with their classes); the rest at the end."""
 
 
@@ -128,7 +140,7 @@ class Channel:
 
     def _raw(self, data):
         while data:
-            data = data[_write(self.fd, data):]
+            data = data[_write(self.fd, data) :]
 
     def ready(self):
         if self.key is not None:
@@ -252,7 +264,12 @@ class Pristine:
         elif _abspath(inner.co_filename) in self.files or qualname in (self.entry(path) or ((), (), {}))[2]:
             return False, "%s runs code that is not its protected source's" % qualname, ""
         elif self.in_workspace(inner.co_filename):
-            return False, None, "its code is not in the task's test files (%s)" % os.path.relpath(_abspath(inner.co_filename), self.cwd)
+            return (
+                False,
+                None,
+                "its code is not in the task's test files (%s)"
+                % os.path.relpath(_abspath(inner.co_filename), self.cwd),
+            )
         for f in layers[:-1]:
             if not self.pristine(f.__code__) and self.in_workspace(f.__code__.co_filename):
                 return False, "%s is wrapped by code from the workspace (%s)" % (qualname, f.__code__.co_name), ""
@@ -283,10 +300,20 @@ class Guard:
             m = sys.modules[name]
             if name.partition(".")[0] in tops and isinstance(m, _ModuleType):
                 self.targets.append((name, m))
-                self.targets += [(name + "." + k, v) for k, v in sorted(vars(m).items())
-                                 if isinstance(v, type) and getattr(v, "__module__", None) == name]  # fmt: skip
-        self.core = [(n, o) for n, o in self.targets if n == "builtins" or n.startswith("kiln.") or n in CORE
-                     or n.rpartition(".")[0] in CORE or framework == "unittest"]  # fmt: skip
+                self.targets += [
+                    (name + "." + k, v)
+                    for k, v in sorted(vars(m).items())
+                    if isinstance(v, type) and getattr(v, "__module__", None) == name
+                ]
+        self.core = [
+            (n, o)
+            for n, o in self.targets
+            if n == "builtins"
+            or n.startswith("kiln.")
+            or n in CORE
+            or n.rpartition(".")[0] in CORE
+            or framework == "unittest"
+        ]
         self.before = {n: _attrs(o) for n, o in self.targets}
         self.state = self._state()
 
@@ -295,10 +322,13 @@ class Guard:
             self.found.append(what)
 
     def _state(self):
-        s = {"sys.getprofile()": id(_getprofile()), "sys.gettrace()": id(_gettrace()),
-             "threading's profile hook": id(getattr(threading, "_profile_hook", None)),
-             "threading's trace hook": id(getattr(threading, "_trace_hook", None)),
-             "sys.modules['__main__']": id(sys.modules.get("__main__"))}  # fmt: skip
+        s = {
+            "sys.getprofile()": id(_getprofile()),
+            "sys.gettrace()": id(_gettrace()),
+            "threading's profile hook": id(getattr(threading, "_profile_hook", None)),
+            "threading's trace hook": id(getattr(threading, "_trace_hook", None)),
+            "sys.modules['__main__']": id(sys.modules.get("__main__")),
+        }
         for name in REPORT_PATH:
             s["os." + name] = id(getattr(os, name, None))
         mon = getattr(sys, "monitoring", None)
@@ -314,7 +344,12 @@ class Guard:
     def audit(self, event, args):
         try:
             if event == "object.__setattr__":
-                if len(args) > 1 and args[1] == "__code__" and type(args[0]) is _FunctionType and self.pristine.pristine(args[0].__code__):
+                if (
+                    len(args) > 1
+                    and args[1] == "__code__"
+                    and type(args[0]) is _FunctionType
+                    and self.pristine.pristine(args[0].__code__)
+                ):
                     self.tamper("the code of %s was replaced" % args[0].__qualname__)
             elif event in ("sys.settrace", "sys.setprofile", "sys.monitoring.register_callback"):
                 self.tamper(event + " was called during the tests")
@@ -362,7 +397,9 @@ class Guard:
                 for attr in sorted(set(was) | set(now)):
                     if was.get(attr) == now.get(attr):
                         continue
-                    if attr in was or self._from_workspace(vars(obj)[attr]):  # new ones: lazy imports are the framework's own
+                    if attr in was or self._from_workspace(
+                        vars(obj)[attr]
+                    ):  # new ones: lazy imports are the framework's own
                         self.tamper("%s.%s" % (name, attr))
         for what, value in self._state().items():
             if self.state[what] != value:
@@ -392,17 +429,20 @@ class Witness:
             return ok
 
         if _iscoroutinefunction(call):
+
             async def witnessed(*a, **k):
                 ok = check()
                 r = await call(*a, **k)
                 rec.returned = ok and check()
                 return r
         else:
+
             def witnessed(*a, **k):
                 ok = check()
                 r = call(*a, **k)
                 rec.returned = ok and check()
                 return r
+
         return witnessed
 
     def install_unittest(self, test, tid):
@@ -441,7 +481,9 @@ class Witness:
         if status == "passed" and not (rec is not None and rec.returned):
             if rec is None or not rec.why:
                 self.guard.tamper("%s was reported passed, but its protected code did not run to its end" % tid)
-            return "failed", "not witnessed: " + (rec.why if rec is not None and rec.why else "its protected code did not return")
+            return "failed", "not witnessed: " + (
+                rec.why if rec is not None and rec.why else "its protected code did not return"
+            )
         return status, message
 
 
@@ -500,7 +542,9 @@ def _forget_workspace_modules(cwd):
 
     inside = [p for p in sys.path if p and (_abspath(p) == cwd or _abspath(p).startswith(cwd + _sep))]
     stdlib = set(getattr(sys, "stdlib_module_names", ()))
-    lib = os.path.dirname(_abspath(os.__file__)) + _sep  # the standard library's folder (3.8/3.9 have no stdlib_module_names)
+    lib = (
+        os.path.dirname(_abspath(os.__file__)) + _sep
+    )  # the standard library's folder (3.8/3.9 have no stdlib_module_names)
     tops = {}
     for name in list(sys.modules):
         top = name.partition(".")[0]

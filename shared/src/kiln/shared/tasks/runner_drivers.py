@@ -10,13 +10,13 @@ only once every test module is imported.
 
 import sys
 
+
 def _flatten(tests):
     import unittest
 
     if isinstance(tests, unittest.TestSuite):
         for t in tests:
-            for x in _flatten(t):
-                yield x
+            yield from _flatten(t)
     else:
         yield tests
 
@@ -74,7 +74,9 @@ def run_unittest(ids, ch, guard, witness, pristine, finder):
             if hasattr(self, "_t0"):
                 cls = type(test)
                 path = pristine.path_of(cls.__module__)
-                status, message = witness.verdict(self._id, self._status, self._message, path, cls.__qualname__ + "." + test._testMethodName)
+                status, message = witness.verdict(
+                    self._id, self._status, self._message, path, cls.__qualname__ + "." + test._testMethodName
+                )
                 ch.send("result", self._id, status, message[:MESSAGE_CHARS], round(_monotonic() - self._t0, 4))
                 del self._t0
                 guard.check()
@@ -85,7 +87,9 @@ def run_unittest(ids, ch, guard, witness, pristine, finder):
     modules = {}
     for test_id in ids:  # each test module from its protected file, by location
         parts = test_id.split(".")
-        name = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if pristine.path_of(".".join(parts[:k]))), None)
+        name = next(
+            (".".join(parts[:k]) for k in range(len(parts), 0, -1) if pristine.path_of(".".join(parts[:k]))), None
+        )
         if name is None or name in modules:
             continue
         try:
@@ -116,7 +120,7 @@ def run_unittest(ids, ch, guard, witness, pristine, finder):
             elif test_id == name:
                 loaded = loader.loadTestsFromModule(module)
             else:
-                loaded = loader.loadTestsFromName(test_id[len(name) + 1:], module)
+                loaded = loader.loadTestsFromName(test_id[len(name) + 1 :], module)
         except Exception as e:  # the id's module or attribute does not exist: it stays missing
             ch.send("error", test_id, ("%s: %s" % (type(e).__name__, e))[:MESSAGE_CHARS])
             continue
@@ -210,7 +214,9 @@ def run_pytest(ids, args, ch, guard, witness, pristine, finder, cwd):
             if report.when == "teardown":
                 path, qualname = _node(report.nodeid, cwd)
                 status, message = witness.verdict(report.nodeid, status, message, path, qualname)
-                ch.send("result", report.nodeid, status, message[:MESSAGE_CHARS], round(getattr(report, "duration", 0.0), 4))
+                ch.send(
+                    "result", report.nodeid, status, message[:MESSAGE_CHARS], round(getattr(report, "duration", 0.0), 4)
+                )
                 guard.check(full=False)
 
         def pytest_collectreport(self, report):
@@ -221,6 +227,8 @@ def run_pytest(ids, args, ch, guard, witness, pristine, finder, cwd):
     guard.targets.append(("kiln.Plugin", Plugin))
     guard.before["kiln.Plugin"] = _attrs(Plugin)
     guard.core.append(("kiln.Plugin", Plugin))
-    code = pytest.main(["-p", "no:cacheprovider", "--color=no", "-rfE"] + list(args) + ["--"] + list(ids), plugins=[plugin])
+    code = pytest.main(
+        ["-p", "no:cacheprovider", "--color=no", "-rfE"] + list(args) + ["--"] + list(ids), plugins=[plugin]
+    )
     ch.ready()
     ch.send("exit", int(code))

@@ -13,8 +13,10 @@ import re
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Iterable
+from datetime import UTC
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 class Skip(Exception):
@@ -58,10 +60,10 @@ class GitRepo:
 
     def commit_date(self, commit: str) -> str:
         """The commit's committer date, as a UTC timestamp (``2023-01-07T11:08:11Z``)."""
-        from datetime import datetime, timezone
+        from datetime import datetime
 
         out = _git(self.path, "show", "-s", "--format=%ct", commit)
-        return datetime.fromtimestamp(int(out.stdout.decode().strip()), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return datetime.fromtimestamp(int(out.stdout.decode().strip()), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def changed(self, a: str, b: str) -> list[tuple[str, str]]:
         """``(status letter, path)`` of ``git diff --name-status a b`` (renames as delete + add)."""
@@ -80,8 +82,14 @@ def find_repository(repos: Path, names: Iterable[str]) -> Path | None:
                     return p.resolve()
     for name in names:  # R2E-Gym names a repository without its owner
         if "/" not in name:
-            for p in sorted([*repos.glob(f"*__{name}"), *repos.glob(f"*__{name}.git"), *repos.glob(f"*/{name}"),
-                             *repos.glob(f"*/{name}.git")]):
+            for p in sorted(
+                [
+                    *repos.glob(f"*__{name}"),
+                    *repos.glob(f"*__{name}.git"),
+                    *repos.glob(f"*/{name}"),
+                    *repos.glob(f"*/{name}.git"),
+                ]
+            ):
                 if p.is_dir() and _git(p, "rev-parse", "--git-dir", check=False).returncode == 0:
                     return p.resolve()
     return None
@@ -113,9 +121,9 @@ def patch_paths(patch: str) -> list[tuple[str | None, str | None]]:
             elif line.startswith("deleted file mode"):
                 files[-1][1] = None
             elif line.startswith("rename from "):
-                files[-1][0] = line[len("rename from "):]
+                files[-1][0] = line[len("rename from ") :]
             elif line.startswith("rename to "):
-                files[-1][1] = line[len("rename to "):]
+                files[-1][1] = line[len("rename to ") :]
             elif line.startswith("--- "):
                 p = line[4:].rstrip("\t")
                 files[-1][0] = None if p == "/dev/null" else p.removeprefix("a/")
@@ -135,7 +143,9 @@ class PatchDoesNotApply(Skip):
         self.reversed = reversed
 
 
-def apply_patch(repo: GitRepo, commit: str, patch: str, what: str, reverse: bool = False) -> tuple[dict[str, str | None], dict[str, str | None]]:
+def apply_patch(
+    repo: GitRepo, commit: str, patch: str, what: str, reverse: bool = False
+) -> tuple[dict[str, str | None], dict[str, str | None]]:
     """Apply ``patch`` (in reverse with ``reverse``) to the files it touches at ``commit``;
     ``(before, after)``: path -> text (None where the file does not exist on that side).
     ``PatchDoesNotApply`` says whether it would have applied the other way."""
@@ -161,8 +171,11 @@ def apply_patch(repo: GitRepo, commit: str, patch: str, what: str, reverse: bool
         out = _git(tmp, "apply", "--whitespace=nowarn", *direction, str(patch_file), check=False)
         if out.returncode != 0:
             other = _git(tmp, "apply", "--check", *([] if reverse else ["-R"]), str(patch_file), check=False)
-            raise PatchDoesNotApply(f"{what} does not apply{' in reverse' if reverse else ''} at {commit[:12]}: "
-                                    f"{out.stderr.decode(errors='replace').strip()[-300:]}", other.returncode == 0)
+            raise PatchDoesNotApply(
+                f"{what} does not apply{' in reverse' if reverse else ''} at {commit[:12]}: "
+                f"{out.stderr.decode(errors='replace').strip()[-300:]}",
+                other.returncode == 0,
+            )
         after: dict[str, str | None] = {}
         for old, new in paths:
             if old is not None and old != new:
@@ -219,7 +232,9 @@ def _id_list(value: Any, name: str) -> list[str]:
     return value
 
 
-def _convert_ids(f2p: list[str], p2p: list[str], test_sources: dict[str, str]) -> tuple[str, list[str], list[str], list[str]]:
+def _convert_ids(
+    f2p: list[str], p2p: list[str], test_sources: dict[str, str]
+) -> tuple[str, list[str], list[str], list[str]]:
     """(runner, fail_to_pass, pass_to_pass, dropped pass_to_pass): ids with whitespace
     (pytest parameters with spaces) cannot be matched by the report parser; a
     FAIL_TO_PASS one skips the instance, PASS_TO_PASS ones are dropped."""
@@ -274,9 +289,9 @@ def test_command(runner: str, repo: str, test_paths: list[str], ids: list[str], 
 
 CONVENTIONS = {
     "swe-bench": "the repository at `base_commit` holds the bug, `patch` fixes it (applies forwards there) and "
-                 "`test_patch` adds the tests (empty or absent: the tests are already in the repository)",
+    "`test_patch` adds the tests (empty or absent: the tests are already in the repository)",
     "swe-smith": "the repository at the commit is clean and `patch` introduces the bug (applies forwards there); "
-                 "`repo` is 'swesmith/owner__name.<commit8>'",
+    "`repo` is 'swesmith/owner__name.<commit8>'",
     "r2e-gym": "`commit_hash` is the fix, its parent the start, and the tests come in `execution_result_content`",
 }
 """What each format (family: SWE-Gym's is SWE-bench's) means by its fields."""
@@ -296,7 +311,10 @@ def shape_of(row: dict[str, Any]) -> tuple[str, str] | None:
         if key in row:
             return "swe-bench", f"it has SWE-bench's {key!r} field"
     if isinstance(repo, str) and re.fullmatch(r"[^/\s]+/[^/\s]+", repo) and "__" not in repo and row.get("base_commit"):
-        return "swe-bench", f"repo {repo!r} with a base_commit is SWE-bench's (SWE-smith's is 'swesmith/owner__name.<commit8>')"
+        return (
+            "swe-bench",
+            f"repo {repo!r} with a base_commit is SWE-bench's (SWE-smith's is 'swesmith/owner__name.<commit8>')",
+        )
     return None
 
 
@@ -307,6 +325,9 @@ def format_mismatch(fmt: str, row: dict[str, Any]) -> Skip | None:
     if shape is None or shape[0] == FAMILY[fmt]:
         return None
     family, evidence = shape
-    return Skip(f"this instance follows {family}'s conventions ({evidence}), not {fmt}'s. In {fmt}'s, "
-                f"{CONVENTIONS[FAMILY[fmt]]}; in {family}'s, {CONVENTIONS[family]}. Imported as {fmt} its tasks "
-                f"would be inverted or broken: use --format {family}", kind=f"format mismatch: looks like {family}")
+    return Skip(
+        f"this instance follows {family}'s conventions ({evidence}), not {fmt}'s. In {fmt}'s, "
+        f"{CONVENTIONS[FAMILY[fmt]]}; in {family}'s, {CONVENTIONS[family]}. Imported as {fmt} its tasks "
+        f"would be inverted or broken: use --format {family}",
+        kind=f"format mismatch: looks like {family}",
+    )

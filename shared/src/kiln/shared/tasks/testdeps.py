@@ -28,21 +28,38 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Protocol
+from typing import Protocol
 
 TEST_EXTRAS = ("test", "tests", "testing")
 TEST_GROUPS = (*TEST_EXTRAS, "dev")
-TEST_REQUIREMENTS = ("requirements/tests.txt", "requirements/test.txt", "requirements/testing.txt",
-                     "requirements-tests.txt", "requirements-test.txt", "requirements_test.txt",
-                     "test-requirements.txt", "test_requirements.txt", "tests/requirements.txt",
-                     "test/requirements.txt", "testing/requirements.txt")
+TEST_REQUIREMENTS = (
+    "requirements/tests.txt",
+    "requirements/test.txt",
+    "requirements/testing.txt",
+    "requirements-tests.txt",
+    "requirements-test.txt",
+    "requirements_test.txt",
+    "test-requirements.txt",
+    "test_requirements.txt",
+    "tests/requirements.txt",
+    "test/requirements.txt",
+    "testing/requirements.txt",
+)
 """Test requirements files, in order; ``TEST_REQUIREMENT_GLOBS`` adds the variants."""
 TEST_REQUIREMENT_GLOBS = ("requirements/test*.txt", "requirements-test*.txt", "requirements_test*.txt")
 DEV_REQUIREMENTS = ("requirements-dev.txt", "requirements/dev.txt", "dev-requirements.txt", "requirements_dev.txt")
-IMPORT_DISTRIBUTIONS = {"yaml": "PyYAML", "dateutil": "python-dateutil", "attr": "attrs", "PIL": "Pillow",
-                        "sklearn": "scikit-learn", "bs4": "beautifulsoup4", "Crypto": "pycryptodome"}
+IMPORT_DISTRIBUTIONS = {
+    "yaml": "PyYAML",
+    "dateutil": "python-dateutil",
+    "attr": "attrs",
+    "PIL": "Pillow",
+    "sklearn": "scikit-learn",
+    "bs4": "beautifulsoup4",
+    "Crypto": "pycryptodome",
+}
 TEST_DIRS = {"test", "tests", "testing"}
 _NOT_MODULE_FILES = {"setup.py", "conftest.py", "noxfile.py", "fabfile.py", "versioneer.py"}
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", re.M)
@@ -64,8 +81,11 @@ class DirTree:
 
     def files(self) -> list[str]:
         if self._files is None:
-            self._files = sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*")
-                                 if p.is_file() and ".git" not in p.relative_to(self.root).parts[:1])
+            self._files = sorted(
+                p.relative_to(self.root).as_posix()
+                for p in self.root.rglob("*")
+                if p.is_file() and ".git" not in p.relative_to(self.root).parts[:1]
+            )
         return self._files
 
     def read(self, path: str) -> bytes | None:
@@ -83,8 +103,11 @@ class GitTree:
 
     def files(self) -> list[str]:
         if self._files is None:
-            out = subprocess.run(["git", "-C", str(self.repo), "ls-tree", "-r", "-z", "--name-only", self.commit],
-                                 capture_output=True, check=True)
+            out = subprocess.run(
+                ["git", "-C", str(self.repo), "ls-tree", "-r", "-z", "--name-only", self.commit],
+                capture_output=True,
+                check=True,
+            )
             self._files = sorted(x for x in out.stdout.decode(errors="replace").split("\0") if x)
         return self._files
 
@@ -98,8 +121,9 @@ class GitTree:
         want = [p for p in dict.fromkeys(paths) if p not in self._cache]
         if want:
             query = "".join(f"{self.commit}:{p}\n" for p in want).encode()
-            out = subprocess.run(["git", "-C", str(self.repo), "cat-file", "--batch"], input=query,
-                                 capture_output=True, check=True).stdout
+            out = subprocess.run(
+                ["git", "-C", str(self.repo), "cat-file", "--batch"], input=query, capture_output=True, check=True
+            ).stdout
             pos = 0
             for p in want:
                 end = out.index(b"\n", pos)
@@ -107,7 +131,7 @@ class GitTree:
                 pos = end + 1
                 if len(header) == 3 and header[1] == b"blob":
                     size = int(header[2])
-                    self._cache[p] = out[pos:pos + size]
+                    self._cache[p] = out[pos : pos + size]
                     pos += size + 1
                 else:  # "<query> missing", or not a blob
                     self._cache[p] = None
@@ -122,7 +146,12 @@ def _text(tree: Tree, path: str) -> str | None:
 def is_test_path(rel: str) -> bool:
     parts = PurePosixPath(rel).parts
     name = parts[-1]
-    return bool(set(parts[:-1]) & TEST_DIRS) or name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
+    return (
+        bool(set(parts[:-1]) & TEST_DIRS)
+        or name.startswith("test_")
+        or name.endswith("_test.py")
+        or name == "conftest.py"
+    )
 
 
 # -- the project and its declarations ---------------------------------------------------------
@@ -171,7 +200,9 @@ def declared_extras(tree: Tree) -> set[str]:
     cp = _setup_cfg(tree)
     if cp is not None and cp.has_section("options.extras_require"):
         found |= set(cp.options("options.extras_require"))
-    if (setup := _text(tree, "setup.py")) is not None and (m := re.search(r"extras_require\s*=\s*\{(.*?)\}", setup, re.S)):
+    if (setup := _text(tree, "setup.py")) is not None and (
+        m := re.search(r"extras_require\s*=\s*\{(.*?)\}", setup, re.S)
+    ):
         found |= {e for e in TEST_GROUPS if re.search(rf"['\"]{e}['\"]\s*:", m.group(1))}
     return found
 
@@ -182,7 +213,9 @@ def _group(groups: dict, name: str, seen: frozenset[str] = frozenset()) -> list[
     for item in groups.get(name) or []:
         if isinstance(item, str):
             out.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("include-group"), str) and item["include-group"] not in seen:
+        elif (
+            isinstance(item, dict) and isinstance(item.get("include-group"), str) and item["include-group"] not in seen
+        ):
             out += _group(groups, item["include-group"], seen | {name})
     return out
 
@@ -230,16 +263,20 @@ def test_dependencies(tree: Tree) -> TestDependencies:
     extras = [e for e in TEST_EXTRAS if e in extras_declared]
     reqs = [r for r in TEST_REQUIREMENTS if tree.read(r) is not None]
     for pattern in TEST_REQUIREMENT_GLOBS:
-        reqs += sorted(f for f in files if fnmatch.fnmatch(f, pattern) and f.count("/") == pattern.count("/")
-                       and f not in reqs)
+        reqs += sorted(
+            f for f in files if fnmatch.fnmatch(f, pattern) and f.count("/") == pattern.count("/") and f not in reqs
+        )
     groups = _pyproject(tree).get("dependency-groups") or {}
     packages: list[str] = []
     group = next((g for g in TEST_GROUPS if g in groups), None)
     if group is not None:
         packages = _group(groups, group)
     if extras or reqs or packages:
-        source = ", ".join(x for x in ("extras" if extras else "", "requirements" if reqs else "",
-                                       f"group {group}" if packages else "") if x)
+        source = ", ".join(
+            x
+            for x in ("extras" if extras else "", "requirements" if reqs else "", f"group {group}" if packages else "")
+            if x
+        )
         return TestDependencies(extras, reqs, packages, source)
     if dev := [r for r in DEV_REQUIREMENTS if tree.read(r) is not None][:1]:
         return TestDependencies([], dev, [], "dev requirements")
@@ -311,8 +348,11 @@ def imported_distributions(tree: Tree) -> list[str]:
     for data in texts.values():
         if data is not None:
             found |= imported_names(data.decode("utf-8", "replace"))
-    third = sorted(n for n in found if n not in sys.stdlib_module_names and n not in own
-                   and n not in ("pytest", "_pytest", "__future__"))
+    third = sorted(
+        n
+        for n in found
+        if n not in sys.stdlib_module_names and n not in own and n not in ("pytest", "_pytest", "__future__")
+    )
     return [IMPORT_DISTRIBUTIONS.get(n, n) for n in third]
 
 

@@ -42,9 +42,29 @@ MAX_CONFIG_BYTES = 96 * 1024
 """Compressed ids and arguments (a command line's single argument must stay under 128 KiB)."""
 
 _PYTEST_KEEP_WITH_VALUE = {"-p", "-o", "-W"}
-_PYTEST_DROP_WITH_VALUE = {"-k", "-m", "--tb", "-c", "--rootdir", "--junitxml", "--junit-xml", "--deselect", "--ignore", "--maxfail"}
+_PYTEST_DROP_WITH_VALUE = {
+    "-k",
+    "-m",
+    "--tb",
+    "-c",
+    "--rootdir",
+    "--junitxml",
+    "--junit-xml",
+    "--deselect",
+    "--ignore",
+    "--maxfail",
+}
 """Selection and reporting: the runner runs exactly the task's ids and reports itself."""
-_PYTEST_DROP_PREFIXES = ("--junit", "--tb=", "--color=", "--rootdir=", "--deselect=", "--ignore=", "--maxfail=", "--result-log")
+_PYTEST_DROP_PREFIXES = (
+    "--junit",
+    "--tb=",
+    "--color=",
+    "--rootdir=",
+    "--deselect=",
+    "--ignore=",
+    "--maxfail=",
+    "--result-log",
+)
 _SHELL = re.compile(r"[;&|`$<>(){}\n]")
 
 
@@ -73,7 +93,12 @@ def runner_spec(test_command: str) -> RunnerSpec:
         raise UnsupportedTestCommand(f"test command {test_command!r}: {e}") from None
     while words and "=" in words[0] and not words[0].startswith(("-", "/")):  # VAR=value prefixes
         words.pop(0)
-    if len(words) < 3 or words[1] != "-m" or words[2] not in ("unittest", "pytest") or "python" not in Path(words[0]).name:
+    if (
+        len(words) < 3
+        or words[1] != "-m"
+        or words[2] not in ("unittest", "pytest")
+        or "python" not in Path(words[0]).name
+    ):
         raise UnsupportedTestCommand(
             f"test command {test_command!r} is not `python -m unittest ...` or `python -m pytest ...`: reward runs tests "
             "only through kiln's runner, which reads results from the framework itself, never from printed text (docs/reward.md)"
@@ -106,18 +131,29 @@ def _runner_source() -> str:
     return source.replace(marker, f"\nCHILD_SOURCE = ({packed[0]!r}, {MAGIC_NUMBER.hex()!r}, {packed[1]!r})", 1)
 
 
-def runner_command(test_command: str, ids: list[str], timeout_s: float, test_files: dict[str, str] | None = None) -> str:
+def runner_command(
+    test_command: str, ids: list[str], timeout_s: float, test_files: dict[str, str] | None = None
+) -> str:
     """The bash command that runs ``ids`` through kiln's runner in a sandbox's workspace.
     The runner's own deadline is ``timeout_s``; give the exec a little more.
     ``test_files`` (path -> text: the task's, as the clean room wrote them) are compiled
     by the runner before any workspace code runs, checked against their sha256."""
     spec = runner_spec(test_command)
     digests = {p: hashlib.sha256(t.encode()).hexdigest() for p, t in (test_files or {}).items()}
-    config = json.dumps({"framework": spec.framework, "ids": ids, "args": list(spec.args), "timeout_s": timeout_s,
-                         "test_files": digests})  # fmt: skip
+    config = json.dumps(
+        {
+            "framework": spec.framework,
+            "ids": ids,
+            "args": list(spec.args),
+            "timeout_s": timeout_s,
+            "test_files": digests,
+        }
+    )
     packed = base64.b64encode(zlib.compress(config.encode(), 9)).decode()
     if len(packed) > MAX_CONFIG_BYTES:
-        raise UnsupportedTestCommand(f"{len(ids)} test ids are too many for one runner command ({len(packed)} bytes packed)")
+        raise UnsupportedTestCommand(
+            f"{len(ids)} test ids are too many for one runner command ({len(packed)} bytes packed)"
+        )
     return f"exec {shlex.quote(spec.python)} -I -S -c {shlex.quote(_runner_source())} {packed}"
 
 
@@ -169,7 +205,13 @@ def read_report(stdout: str, ids: list[str], framework: str | None = None) -> Ru
     return report
 
 
-_STATUS = {"P": CaseStatus.PASSED, "F": CaseStatus.FAILED, "E": CaseStatus.ERROR, "S": CaseStatus.SKIPPED, "M": CaseStatus.MISSING}
+_STATUS = {
+    "P": CaseStatus.PASSED,
+    "F": CaseStatus.FAILED,
+    "E": CaseStatus.ERROR,
+    "S": CaseStatus.SKIPPED,
+    "M": CaseStatus.MISSING,
+}
 
 
 def case_statuses(report: RunnerReport, ids: list[str]) -> dict[str, CaseStatus]:

@@ -66,7 +66,13 @@ def file_infos(folder: Path) -> list[FileInfo]:
 
 
 def build_manifest(
-    folder: Path, *, run_id: str, version: int, step: int, parent_version: int | None, files: list[FileInfo] | None = None
+    folder: Path,
+    *,
+    run_id: str,
+    version: int,
+    step: int,
+    parent_version: int | None,
+    files: list[FileInfo] | None = None,
 ) -> WeightsManifest:
     """The manifest of a staged version; ``files`` are the digests its writer took
     (``file_infos``): given, the folder must hold exactly those files at those sizes
@@ -78,7 +84,9 @@ def build_manifest(
         on_disk = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
         listed = {fi.path: fi.size for fi in files}
         if on_disk != listed:
-            raise IntegrityError(f"{folder} does not hold the files its writer listed: {on_disk} on disk, {listed} listed")
+            raise IntegrityError(
+                f"{folder} does not hold the files its writer listed: {on_disk} on disk, {listed} listed"
+            )
         by_path = {fi.path: fi for fi in files}
         files = [by_path[str(p.relative_to(folder))] for p in paths]
     tensors = {}

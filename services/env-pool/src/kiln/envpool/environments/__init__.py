@@ -6,9 +6,19 @@ See docs/environments.md."""
 
 from .cache import EnvironmentCache, LayerStore
 from .layers import BuiltEnvironment, EnvironmentBuildError, Layer, plan_layers
-from .sandbox import environment_bwrap_args
 from .s3 import LayerIntegrityError, S3LayerStore
+from .sandbox import environment_bwrap_args
 from .store import NatsLayerStore
 
-__all__ = ["BuiltEnvironment", "EnvironmentBuildError", "EnvironmentCache", "Layer", "LayerIntegrityError",
-           "LayerStore", "NatsLayerStore", "S3LayerStore", "environment_bwrap_args", "plan_layers"]
+__all__ = [
+    "BuiltEnvironment",
+    "EnvironmentBuildError",
+    "EnvironmentCache",
+    "Layer",
+    "LayerIntegrityError",
+    "LayerStore",
+    "NatsLayerStore",
+    "S3LayerStore",
+    "environment_bwrap_args",
+    "plan_layers",
+]

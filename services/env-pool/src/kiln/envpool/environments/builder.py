@@ -16,16 +16,25 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from kiln.shared.environments import VENV, WORKSPACE, DebianBase, EnvironmentSpec, OciBase
-
 from kiln.envpool.bwrap import host_system_binds
+from kiln.shared.environments import VENV, WORKSPACE, DebianBase, EnvironmentSpec, OciBase
 
 from .layers import EnvironmentBuildError, LayerPlan
 from .unpack import UnpackError, materialize_repository, unpack_oci
 
-HOST_RO_BINDS = ("/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl", "/etc/localtime",
-                 "/etc/ca-certificates", "/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf",
-                 "/etc/passwd", "/etc/group")
+HOST_RO_BINDS = (
+    "/usr",
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ssl",
+    "/etc/localtime",
+    "/etc/ca-certificates",
+    "/etc/resolv.conf",
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/passwd",
+    "/etc/group",
+)
 """Host paths the build sandbox of a host-base environment binds read-only (missing ones skipped)."""
 ROOTFS_DIRS = ("workspace", "opt/kiln", "tmp", "proc", "dev")
 """Folders a debian/oci base layer gets (mount points of the sandboxes)."""
@@ -51,6 +60,8 @@ def host_ca_bundle() -> str | None:
         if os.path.isfile(p):
             return p
     return None
+
+
 BUILD_TIMEOUT_S = 3600
 _seq = itertools.count()
 
@@ -92,8 +103,15 @@ def _tail(text: str, n: int = 3000) -> str:
 class BuildSandbox:
     """``bwrap`` argv for one build: the base, the layers at their final paths, the network."""
 
-    def __init__(self, rootfs: Path | None, node_root: Path | None, workspace: Path | None, venv: Path | None,
-                 writable_workspace: bool, network: bool = True):
+    def __init__(
+        self,
+        rootfs: Path | None,
+        node_root: Path | None,
+        workspace: Path | None,
+        venv: Path | None,
+        writable_workspace: bool,
+        network: bool = True,
+    ):
         """``node_root``: the cache root, for uv (its cache, hard links into ``venv``, which
         must then lie under ``node_root/build``); None: no uv cache (setup commands)."""
         self.rootfs, self.node_root, self.workspace, self.venv = rootfs, node_root, workspace, venv
@@ -110,8 +128,19 @@ class BuildSandbox:
             for f in ("/etc/resolv.conf", "/etc/hosts"):
                 if self.network and os.path.exists(f) and (self.rootfs / f[1:]).exists():
                     a += ["--ro-bind", f, f]
-        a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/opt/kiln",
-              "--ro-bind", find_uv(), UV_IN_SANDBOX]
+        a += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--tmpfs",
+            "/opt/kiln",
+            "--ro-bind",
+            find_uv(),
+            UV_IN_SANDBOX,
+        ]
         if ca := host_ca_bundle():
             a += ["--ro-bind", ca, CA_IN_SANDBOX]
         if self.node_root is not None:
@@ -136,8 +165,13 @@ class BuildSandbox:
 
 def sandbox_env(python: bool, uv_cache: bool = True) -> dict[str, str]:
     path = "/opt/kiln/tools:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-    env = {"HOME": "/tmp", "LANG": "C.UTF-8", "PATH": (f"{VENV}/bin:" if python else "") + path,
-           "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
+    env = {
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "PATH": (f"{VENV}/bin:" if python else "") + path,
+        "UV_PYTHON_DOWNLOADS": "never",
+        "UV_NO_PROGRESS": "1",
+    }
     if uv_cache:
         env.update(UV_CACHE_DIR=f"{NODE_IN_SANDBOX}/uv-cache", UV_LINK_MODE="hardlink")
     else:
@@ -147,8 +181,16 @@ def sandbox_env(python: bool, uv_cache: bool = True) -> dict[str, str]:
     if python:
         env["VIRTUAL_ENV"] = VENV
     for k, v in os.environ.items():  # index and proxy settings of the node
-        if k.startswith("UV_INDEX") or k in ("UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL", "HTTP_PROXY", "HTTPS_PROXY",
-                                               "http_proxy", "https_proxy", "NO_PROXY", "no_proxy"):
+        if k.startswith("UV_INDEX") or k in (
+            "UV_DEFAULT_INDEX",
+            "UV_EXTRA_INDEX_URL",
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "http_proxy",
+            "https_proxy",
+            "NO_PROXY",
+            "no_proxy",
+        ):
             env[k] = v
     if os.environ.get("PIP_INDEX_URL") and "UV_DEFAULT_INDEX" not in env and "UV_INDEX_URL" not in env:
         env["UV_DEFAULT_INDEX"] = os.environ["PIP_INDEX_URL"]
@@ -158,12 +200,13 @@ def sandbox_env(python: bool, uv_cache: bool = True) -> dict[str, str]:
 def run_in(sandbox: BuildSandbox, env_name: str, step: str, command: list[str], python: bool) -> str:
     argv = sandbox.argv(command, sandbox_env(python, sandbox.node_root is not None))
     try:
-        out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             timeout=BUILD_TIMEOUT_S)
+        out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         raise EnvironmentBuildError(env_name, step, f"timed out after {BUILD_TIMEOUT_S}s: {' '.join(command)}") from e
     if out.returncode:
-        raise EnvironmentBuildError(env_name, step, f"`{' '.join(command)}` exited {out.returncode}:\n{_tail(out.stdout)}")
+        raise EnvironmentBuildError(
+            env_name, step, f"`{' '.join(command)}` exited {out.returncode}:\n{_tail(out.stdout)}"
+        )
     return out.stdout
 
 
@@ -228,9 +271,24 @@ def build_python(spec: EnvironmentSpec, sandbox: BuildSandbox) -> None:
     py = spec.python
     assert py is not None
     uv = UV_IN_SANDBOX
-    run_in(sandbox, spec.name, "python",
-           [uv, "venv", "--quiet", "--relocatable", "--allow-existing", "--python-preference", "only-system",
-            "--python", py.interpreter, VENV], python=False)
+    run_in(
+        sandbox,
+        spec.name,
+        "python",
+        [
+            uv,
+            "venv",
+            "--quiet",
+            "--relocatable",
+            "--allow-existing",
+            "--python-preference",
+            "only-system",
+            "--python",
+            py.interpreter,
+            VENV,
+        ],
+        python=False,
+    )
     args: list[str] = []
     for req in py.requirements_files:
         args += ["-r", f"{WORKSPACE}/{req}"]
@@ -243,8 +301,13 @@ def build_python(spec: EnvironmentSpec, sandbox: BuildSandbox) -> None:
         # on its own name (pytest's on iniconfig or pluggy, a plugin's on its host), so no
         # copy of it comes from the index to shadow the repository's files.
         era = ["--exclude-newer", py.exclude_newer] if py.exclude_newer else []
-        run_in(sandbox, spec.name, "python",
-               [uv, "pip", "install", "--python", f"{VENV}/bin/python", *era, *args], python=True)
+        run_in(
+            sandbox,
+            spec.name,
+            "python",
+            [uv, "pip", "install", "--python", f"{VENV}/bin/python", *era, *args],
+            python=True,
+        )
         if py.install_project:
             framework_copies(spec, sandbox, era)
 
@@ -278,16 +341,32 @@ def framework_copies(spec: EnvironmentSpec, sandbox: BuildSandbox, era: list[str
 
     python = f"{VENV}/bin/python"
     for _ in range(8):  # a chain: each round finds one more distribution
-        dists = json.loads(run_in(sandbox, spec.name, "python", [python, "-I", "-c", _FRAMEWORK_PROBE],
-                                  python=True).strip().splitlines()[-1])
+        dists = json.loads(
+            run_in(sandbox, spec.name, "python", [python, "-I", "-c", _FRAMEWORK_PROBE], python=True)
+            .strip()
+            .splitlines()[-1]
+        )
         if not dists:
             return
-        run_in(sandbox, spec.name, "python",
-               [UV_IN_SANDBOX, "pip", "install", "--python", python, "--target", FRAMEWORK_DIR, "--no-deps", *era,
-                *dists], python=True)
-        run_in(sandbox, spec.name, "python", [python, "-c",
-               "import site; open(site.getsitepackages()[0] + '/zzz-kiln-framework.pth', 'w')"
-               f".write({FRAMEWORK_DIR!r} + '\\n')"], python=True)
+        run_in(
+            sandbox,
+            spec.name,
+            "python",
+            [UV_IN_SANDBOX, "pip", "install", "--python", python, "--target", FRAMEWORK_DIR, "--no-deps", *era, *dists],
+            python=True,
+        )
+        run_in(
+            sandbox,
+            spec.name,
+            "python",
+            [
+                python,
+                "-c",
+                "import site; open(site.getsitepackages()[0] + '/zzz-kiln-framework.pth', 'w')"
+                f".write({FRAMEWORK_DIR!r} + '\\n')",
+            ],
+            python=True,
+        )
 
 
 def run_setup(spec: EnvironmentSpec, sandbox: BuildSandbox) -> None:

@@ -27,7 +27,14 @@ from typing import Protocol
 from kiln.shared.environments import EnvironmentInputError, EnvironmentSpec
 
 from .builder import build_layers, partial_path, publish
-from .layers import BuiltEnvironment, EnvironmentBuildError, environment_from_plan, plan_layers, tree_size, write_json_atomic
+from .layers import (
+    BuiltEnvironment,
+    EnvironmentBuildError,
+    environment_from_plan,
+    plan_layers,
+    tree_size,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ class BuiltEnvironment:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "BuiltEnvironment":
+    def from_json(cls, d: dict) -> BuiltEnvironment:
         layers = tuple(Layer(x["name"], x["digest"], Path(x["path"])) for x in d["layers"])
         return cls(d["name"], d["digest"], d["host_base"], layers, tuple(d["path"]), dict(d["env"]), d["size_bytes"])
 
@@ -79,8 +79,9 @@ class LayerPlan:
 def plan_layers(spec: EnvironmentSpec, inputs: dict[str, str]) -> LayerPlan:
     """Layer digests. A layer's digest covers everything it is built from, so layers are
     shared between environments whenever that is sound (one base under many venvs)."""
-    base = None if isinstance(spec.base, HostBase) else sha256_json(
-        ["base", spec.canonical()["base"], inputs.get("base")])
+    base = (
+        None if isinstance(spec.base, HostBase) else sha256_json(["base", spec.canonical()["base"], inputs.get("base")])
+    )
     repo_dump = spec.canonical()["repository"]
     repo_plain = sha256_json(["repository", repo_dump, inputs.get("repository")])
     py: PythonSpec | None = spec.python

@@ -48,8 +48,15 @@ class S3LayerStore:
     endpoint is addressed path-style (``<endpoint>/<bucket>/<key>``), which MinIO, Ceph RGW
     and R2 all serve without per-bucket DNS names."""
 
-    def __init__(self, bucket: str, prefix: str = "kiln/environments", endpoint_url: str = "", region: str = "",
-                 scratch: Path | None = None, client=None):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "kiln/environments",
+        endpoint_url: str = "",
+        region: str = "",
+        scratch: Path | None = None,
+        client=None,
+    ):
         if not bucket:
             raise ValueError("S3LayerStore needs a bucket (envpool.environments_s3_bucket)")
         self.bucket, self.prefix, self.scratch = bucket, prefix.strip("/"), scratch
@@ -77,8 +84,12 @@ class S3LayerStore:
             await asyncio.to_thread(_pack, path, tmp)
             sha = await asyncio.to_thread(_sha256, tmp)
             await asyncio.to_thread(
-                self.client.upload_fileobj, tmp, self.bucket, self.key(digest),
-                ExtraArgs={"Metadata": {SHA256_KEY: sha}, "ContentType": "application/gzip"})
+                self.client.upload_fileobj,
+                tmp,
+                self.bucket,
+                self.key(digest),
+                ExtraArgs={"Metadata": {SHA256_KEY: sha}, "ContentType": "application/gzip"},
+            )
         log.info("stored layer %s in %s", digest[:12], self.where)
 
     async def fetch(self, digest: str, dest: Path) -> bool:
@@ -88,14 +99,17 @@ class S3LayerStore:
         key = self.key(digest)
         want = (head.get("Metadata") or {}).get(SHA256_KEY)
         if not want:
-            raise LayerIntegrityError(f"layer {digest}: s3://{self.bucket}/{key} carries no {SHA256_KEY} checksum; not unpacked")
+            raise LayerIntegrityError(
+                f"layer {digest}: s3://{self.bucket}/{key} carries no {SHA256_KEY} checksum; not unpacked"
+            )
         with tempfile.TemporaryFile(dir=self.scratch or dest.parent) as tmp:
             # Replaced between the head and the download: the sha256 below refuses it.
             await asyncio.to_thread(self.client.download_fileobj, self.bucket, key, tmp)
             got = await asyncio.to_thread(_sha256, tmp)
             if got != want:
                 raise LayerIntegrityError(
-                    f"layer {digest}: s3://{self.bucket}/{key} has sha256 {got}, stored as {want}; not unpacked")
+                    f"layer {digest}: s3://{self.bucket}/{key} has sha256 {got}, stored as {want}; not unpacked"
+                )
             await asyncio.to_thread(_unpack, tmp, dest)
         return True
 
@@ -108,4 +122,5 @@ def _client(endpoint_url: str, region: str):
         raise RuntimeError("envpool.environments_store = 's3' needs boto3: pip install 'kiln-envpool[s3]'") from e
     config = Config(retries={"mode": "standard"}, s3={"addressing_style": "path"} if endpoint_url else {})
     return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url or None, region_name=region or None, config=config)
+        "s3", endpoint_url=endpoint_url or None, region_name=region or None, config=config
+    )

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.shared.environments import VENV, WORKSPACE
-
 from kiln.envpool.bwrap import host_system_binds
+from kiln.shared.environments import VENV, WORKSPACE
 
 from .builder import HOST_RO_BINDS
 from .layers import BuiltEnvironment
 
 
-def environment_bwrap_args(built: BuiltEnvironment, command: list[str], *, network: bool = False,
-                           workspace: Path | None = None, env: dict[str, str] | None = None) -> list[str]:
+def environment_bwrap_args(
+    built: BuiltEnvironment,
+    command: list[str],
+    *,
+    network: bool = False,
+    workspace: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """``bwrap`` argv running ``command`` in ``built``: its base (the host's ``/usr`` or the
     root filesystem as ``/``), the venv at ``/opt/kiln/venv`` and the repository at
     ``/workspace`` read-only (``workspace``: a writable folder bound there instead)."""

@@ -33,15 +33,22 @@ def _unpack(src, dest: Path) -> None:
 class NatsLayerStore:
     """``LayerStore`` over a JetStream object store (``js``: a connected JetStream context)."""
 
-    def __init__(self, js, bucket: str = c.ENVIRONMENTS_BUCKET, ttl_s: float = 0.0, scratch: Path | None = None,
-                 replicas: int = 1):
+    def __init__(
+        self,
+        js,
+        bucket: str = c.ENVIRONMENTS_BUCKET,
+        ttl_s: float = 0.0,
+        scratch: Path | None = None,
+        replicas: int = 1,
+    ):
         self.js, self.bucket, self.ttl_s, self.scratch, self.replicas = js, bucket, ttl_s, scratch, replicas
         self._obs = None
 
     async def _store(self):
         if self._obs is None:
-            self._obs = await ensure_object_store(self.js, self.bucket, replicas=self.replicas, ttl_s=self.ttl_s or None,
-                                                  description="environment layers")  # fmt: skip
+            self._obs = await ensure_object_store(
+                self.js, self.bucket, replicas=self.replicas, ttl_s=self.ttl_s or None, description="environment layers"
+            )
         return self._obs
 
     async def has(self, digest: str) -> bool:

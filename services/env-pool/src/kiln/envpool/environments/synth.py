@@ -36,13 +36,17 @@ import shlex
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import (
-    DirRepository, EnvironmentSpec, PythonSpec, RepositorySpec, SdistRepository,
+    DirRepository,
+    EnvironmentSpec,
+    PythonSpec,
+    RepositorySpec,
+    SdistRepository,
 )
 from kiln.shared.tasks import Task, write_suite
 from kiln.shared.tasks.mutate import Mutation, Site, sites
@@ -59,10 +63,33 @@ log = logging.getLogger(__name__)
 PYTEST = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -rA -p no:cacheprovider --color=no"
 """How synthesized tasks run their tests (restricted to their test files)."""
 TRAIN, HELDOUT = "train", "heldout"
-_NOT_SOURCE_DIRS = TEST_DIRS | {"docs", "doc", "examples", "example", "benchmarks", "bench", "scripts", "tools",
-                                 "ci", "ci_tools", "build", "dist", ".tox", ".nox"}
-_NOT_SOURCE_FILES = {"setup.py", "conftest.py", "noxfile.py", "versioneer.py", "_version.py", "version.py",
-                     "__main__.py", "fabfile.py", "tasks.py"}
+_NOT_SOURCE_DIRS = TEST_DIRS | {
+    "docs",
+    "doc",
+    "examples",
+    "example",
+    "benchmarks",
+    "bench",
+    "scripts",
+    "tools",
+    "ci",
+    "ci_tools",
+    "build",
+    "dist",
+    ".tox",
+    ".nox",
+}
+_NOT_SOURCE_FILES = {
+    "setup.py",
+    "conftest.py",
+    "noxfile.py",
+    "versioneer.py",
+    "_version.py",
+    "version.py",
+    "__main__.py",
+    "fabfile.py",
+    "tasks.py",
+}
 
 
 # -- sources and their environments -----------------------------------------------------------
@@ -80,7 +107,7 @@ class Source:
         return f"{re.sub(r'[^a-z0-9]+', '-', self.name.lower()).strip('-')}-{self.version}"
 
     @classmethod
-    def parse(cls, text: str) -> "Source":
+    def parse(cls, text: str) -> Source:
         """``NAME==VERSION`` (an sdist)."""
         name, sep, version = text.partition("==")
         if not sep or not name.strip() or not version.strip():
@@ -88,7 +115,7 @@ class Source:
         return cls(name.strip(), version.strip(), SdistRepository(name=name.strip(), version=version.strip()))
 
     @classmethod
-    def folder(cls, path: str | Path) -> "Source":
+    def folder(cls, path: str | Path) -> Source:
         p = Path(path).resolve()
         return cls(p.name, "local", DirRepository(path=str(p)))
 
@@ -117,10 +144,17 @@ def environment_for(source: Source, repo: Path, interpreter: str = "python3.11")
     """The package's environment: its repository, editable install with its test
     dependencies, and pytest."""
     deps = test_dependencies(DirTree(repo))
-    return EnvironmentSpec(name=source.env_name, repository=source.repository,
-                           python=PythonSpec(interpreter=interpreter, install_project=True, extras=deps.extras,
-                                             requirements_files=deps.requirements_files,
-                                             packages=[*deps.packages, "pytest"]))
+    return EnvironmentSpec(
+        name=source.env_name,
+        repository=source.repository,
+        python=PythonSpec(
+            interpreter=interpreter,
+            install_project=True,
+            extras=deps.extras,
+            requirements_files=deps.requirements_files,
+            packages=[*deps.packages, "pytest"],
+        ),
+    )
 
 
 # -- test runs --------------------------------------------------------------------------------
@@ -176,9 +210,13 @@ def problem_statement(package: str, failing: list[str], output: str, hide: list[
     hidden = [h.strip() for text in hide for h in text.splitlines() if len(h.strip()) >= 4]
     sections = _failure_sections(output)
     shown = failing[:12]
-    lines = [f"Some of {package}'s own tests fail", "",
-             f"Running the package's test suite, {len(failing)} test{'s' if len(failing) != 1 else ''} "
-             f"that should pass {'fail' if len(failing) != 1 else 'fails'}:", ""]
+    lines = [
+        f"Some of {package}'s own tests fail",
+        "",
+        f"Running the package's test suite, {len(failing)} test{'s' if len(failing) != 1 else ''} "
+        f"that should pass {'fail' if len(failing) != 1 else 'fails'}:",
+        "",
+    ]
     lines += [f"- `{t}`" for t in shown]
     if len(failing) > len(shown):
         lines.append(f"- ... and {len(failing) - len(shown)} more")
@@ -190,8 +228,11 @@ def problem_statement(package: str, failing: list[str], output: str, hide: list[
             details += ["", f"`{t}`:", "", "```", *got, "```"]
     if details:
         lines += ["", "What they report:", *details]
-    lines += ["", "The tests are right: the package's code is what misbehaves. Please fix it so that these "
-              "tests pass, without breaking the rest of the test suite."]
+    lines += [
+        "",
+        "The tests are right: the package's code is what misbehaves. Please fix it so that these "
+        "tests pass, without breaking the rest of the test suite.",
+    ]
     return "\n".join(lines)
 
 
@@ -235,10 +276,19 @@ def _order(candidates: list[Site], rng: random.Random) -> list[Site]:
     return [s for _, _, s in sorted(keyed, key=lambda x: (x[0], x[1]))]
 
 
-async def synthesize_package(source: Source, cache: EnvironmentCache, *, max_tasks: int, seed: int,
-                             held_out_fraction: float, jobs: int = 2, interpreter: str = "python3.11",
-                             max_candidates: int | None = None, scratch_root: Path | None = None,
-                             say: Callable[[str], None] = lambda s: None) -> tuple[EnvironmentSpec | None, list[Task], PackageReport]:
+async def synthesize_package(
+    source: Source,
+    cache: EnvironmentCache,
+    *,
+    max_tasks: int,
+    seed: int,
+    held_out_fraction: float,
+    jobs: int = 2,
+    interpreter: str = "python3.11",
+    max_candidates: int | None = None,
+    scratch_root: Path | None = None,
+    say: Callable[[str], None] = lambda s: None,
+) -> tuple[EnvironmentSpec | None, list[Task], PackageReport]:
     """Tasks from one package (see the module's doc). Deterministic for ``seed`` (given
     deterministic tests)."""
     t0 = time.monotonic()
@@ -249,7 +299,9 @@ async def synthesize_package(source: Source, cache: EnvironmentCache, *, max_tas
         await asyncio.to_thread(materialize_repository, source.repository, probe)
         spec = environment_for(source, probe, interpreter)
         built = await cache.get(spec)
-        say(f"{source.env_name}: environment {built.digest[:12]} ({', '.join(spec.python.requirements_files + spec.python.packages + [f'[{e}]' for e in spec.python.extras])})")
+        say(
+            f"{source.env_name}: environment {built.digest[:12]} ({', '.join(spec.python.requirements_files + spec.python.packages + [f'[{e}]' for e in spec.python.extras])})"
+        )
         base = scratch / "base"
         empty = Task(id="base", problem_statement="", files={}, fail_to_pass=["-"])
         await asyncio.to_thread(prepare_workspace, built, empty, base)
@@ -266,11 +318,16 @@ async def synthesize_package(source: Source, cache: EnvironmentCache, *, max_tas
 
         first = await in_copy({}, ["--continue-on-collection-errors"], 900, "baseline")
         modules = source_modules(base)
-        passing = {t for t, s in first.status.items() if s == CaseStatus.PASSED and is_test_path(t.split("::")[0])
-                   and t.split("::")[0] not in modules}
+        passing = {
+            t
+            for t, s in first.status.items()
+            if s == CaseStatus.PASSED and is_test_path(t.split("::")[0]) and t.split("::")[0] not in modules
+        }
         rep.passing = len(passing)
-        say(f"{source.env_name}: {len(passing)} passing tests of {len(first.status)} reported in {first.seconds:.1f}s; "
-            f"{len(modules)} source modules")
+        say(
+            f"{source.env_name}: {len(passing)} passing tests of {len(first.status)} reported in {first.seconds:.1f}s; "
+            f"{len(modules)} source modules"
+        )
         if first.timed_out:
             rep.error = f"the test suite did not finish in {900}s"
             rep.seconds = time.monotonic() - t0
@@ -313,8 +370,9 @@ async def synthesize_package(source: Source, cache: EnvironmentCache, *, max_tas
                     break
                 tried += len(batch)
                 rep.candidates += len(batch)
-                runs = await asyncio.gather(*(in_copy({m.path: m.mutated}, test_files, timeout, f"cand-{i}")
-                                              for i, m in enumerate(batch)))
+                runs = await asyncio.gather(
+                    *(in_copy({m.path: m.mutated}, test_files, timeout, f"cand-{i}") for i, m in enumerate(batch))
+                )
                 for m, run in zip(batch, runs):
                     if kept >= quota[split] or (m.path, m.function) in used_functions:
                         continue
@@ -328,7 +386,9 @@ async def synthesize_package(source: Source, cache: EnvironmentCache, *, max_tas
                     tasks.append(task)
                     used_functions.add((m.path, m.function))
                     kept += 1
-                    say(f"  kept {task.id} ({split}): {len(task.fail_to_pass)} fail-to-pass, {len(task.pass_to_pass)} pass-to-pass")
+                    say(
+                        f"  kept {task.id} ({split}): {len(task.fail_to_pass)} fail-to-pass, {len(task.pass_to_pass)} pass-to-pass"
+                    )
             rep.by_split[split] = kept
     rep.kept = len(tasks)
     rep.seconds = time.monotonic() - t0
@@ -340,8 +400,16 @@ MAX_F2P = 50
 MAX_P2P = 20
 
 
-def _task(source: Source, spec: EnvironmentSpec, m: Mutation, run: TestRun, passing: set[str], split: str,
-          seed: int, base: Path) -> Task | None:
+def _task(
+    source: Source,
+    spec: EnvironmentSpec,
+    m: Mutation,
+    run: TestRun,
+    passing: set[str],
+    split: str,
+    seed: int,
+    base: Path,
+) -> Task | None:
     if run.timed_out:
         return None
     if any(t not in run.status for t in passing):
@@ -364,26 +432,60 @@ def _task(source: Source, spec: EnvironmentSpec, m: Mutation, run: TestRun, pass
     task_id = f"{source.env_name}.{module}.{m.function}.{m.kind}-{key}"
     statement = problem_statement(f"{source.name}", f2p, run.output, [m.before, m.after])
     return Task(
-        id=task_id, problem_statement=statement, files={m.path: m.mutated}, solution={m.path: m.original},
+        id=task_id,
+        problem_statement=statement,
+        files={m.path: m.mutated},
+        solution={m.path: m.original},
         test_files={f: (base / f).read_text() for f in files},
         test_command=f"{PYTEST} {' '.join(shlex.quote(f) for f in files)}",
-        fail_to_pass=f2p, pass_to_pass=p2p, split=split, timeout_s=max(60.0, round(5 * run.seconds)),
+        fail_to_pass=f2p,
+        pass_to_pass=p2p,
+        split=split,
+        timeout_s=max(60.0, round(5 * run.seconds)),
         environment=spec.name,
-        metadata={"package": source.name, "version": source.version, "module": module, "path": m.path,
-                  "function": m.function, "mutation": m.kind, "change": m.description, "line": m.lineno,
-                  "generator": "kiln tasks synth", "seed": seed})
+        metadata={
+            "package": source.name,
+            "version": source.version,
+            "module": module,
+            "path": m.path,
+            "function": m.function,
+            "mutation": m.kind,
+            "change": m.description,
+            "line": m.lineno,
+            "generator": "kiln tasks synth",
+            "seed": seed,
+        },
+    )
 
 
-async def synthesize(sources: list[Source], out: Path, cache: EnvironmentCache, *, max_per_package: int = 6, seed: int = 0,
-                     held_out_fraction: float = 0.3, jobs: int = 2, interpreter: str = "python3.11",
-                     max_candidates: int | None = None, say: Callable[[str], None] = lambda s: None) -> list[PackageReport]:
+async def synthesize(
+    sources: list[Source],
+    out: Path,
+    cache: EnvironmentCache,
+    *,
+    max_per_package: int = 6,
+    seed: int = 0,
+    held_out_fraction: float = 0.3,
+    jobs: int = 2,
+    interpreter: str = "python3.11",
+    max_candidates: int | None = None,
+    say: Callable[[str], None] = lambda s: None,
+) -> list[PackageReport]:
     """Synthesize every source's tasks into the suite ``out`` (``suite.toml`` + ``tasks.jsonl``)."""
     specs, tasks, reports = [], [], []
     for source in sources:
         try:
-            spec, got, rep = await synthesize_package(source, cache, max_tasks=max_per_package, seed=seed,
-                                                      held_out_fraction=held_out_fraction, jobs=jobs,
-                                                      interpreter=interpreter, max_candidates=max_candidates, say=say)
+            spec, got, rep = await synthesize_package(
+                source,
+                cache,
+                max_tasks=max_per_package,
+                seed=seed,
+                held_out_fraction=held_out_fraction,
+                jobs=jobs,
+                interpreter=interpreter,
+                max_candidates=max_candidates,
+                say=say,
+            )
         except Exception as e:  # noqa: BLE001 - one package's failure is reported; the others go on
             rep = PackageReport(f"{source.name}=={source.version}", source.env_name, error=f"{type(e).__name__}: {e}")
             spec, got = None, []

@@ -19,8 +19,13 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from kiln.shared.environments import (
-    ArchiveRepository, DirRepository, GitRepository, SdistRepository, file_sha256,
+    ArchiveRepository,
+    DirRepository,
+    GitRepository,
+    SdistRepository,
+    file_sha256,
 )
+
 
 def index_url() -> str:
     """The package index sdists come from (PEP 691 JSON simple API): the node's uv/pip index
@@ -84,7 +89,7 @@ def extract_tar(tf: tarfile.TarFile, dest: Path, strip: int = 0, whiteouts: bool
                     for child in list(parent.iterdir()):
                         _remove(child)
             else:
-                victim = parent / rel.name[len(".wh."):]
+                victim = parent / rel.name[len(".wh.") :]
                 if victim.exists() or victim.is_symlink():
                     _remove(victim)
         members = keep
@@ -173,8 +178,9 @@ def extract_archive(path: Path, dest: Path, strip: int = 0) -> None:
 def copy_dir(src: Path, dest: Path) -> None:
     if not src.is_dir():
         raise UnpackError(f"{src} is not a folder")
-    shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True,
-                    ignore=lambda d, names: [".git"] if Path(d) == src else [])
+    shutil.copytree(
+        src, dest, symlinks=True, dirs_exist_ok=True, ignore=lambda d, names: [".git"] if Path(d) == src else []
+    )
 
 
 def git_checkout(url: str, commit: str, dest: Path) -> None:

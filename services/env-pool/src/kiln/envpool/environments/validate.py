@@ -32,16 +32,21 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import WORKSPACE
 from kiln.shared.tasks import Task, TaskSuite, write_suite_file
 from kiln.shared.tasks.testdeps import DirTree, tested_modules
 from kiln.shared.tasks.testrun import (
-    ReportProblem, UnsupportedTestCommand, case_statuses, read_report, runner_command, runner_spec,
+    ReportProblem,
+    UnsupportedTestCommand,
+    case_statuses,
+    read_report,
+    runner_command,
+    runner_spec,
 )
 
 from .cache import EnvironmentCache
@@ -150,27 +155,43 @@ def prepare_workspace(built: BuiltEnvironment, task: Task, dest: Path, solution:
     return dest
 
 
-async def run_tests(built: BuiltEnvironment, workspace: Path, command: str, timeout_s: float,
-                    env: dict[str, str] | None = None) -> tuple[int | None, bool, str, float]:
+async def run_tests(
+    built: BuiltEnvironment, workspace: Path, command: str, timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[int | None, bool, str, float]:
     """Run ``command`` (bash) in ``built`` over ``workspace``: (returncode, timed out,
     stdout+stderr, seconds). No network."""
     rc, timed_out, out, _, seconds = await run_command(built, workspace, command, timeout_s, env, merge=True)
     return rc, timed_out, out, seconds
 
 
-async def run_command(built: BuiltEnvironment, workspace: Path, command: str, timeout_s: float,
-                      env: dict[str, str] | None = None, merge: bool = False) -> tuple[int | None, bool, str, str, float]:
+async def run_command(
+    built: BuiltEnvironment,
+    workspace: Path,
+    command: str,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    merge: bool = False,
+) -> tuple[int | None, bool, str, str, float]:
     """(returncode, timed out, stdout, stderr, seconds) of ``command`` (bash) in ``built``
     over ``workspace``; ``merge`` sends stderr to stdout."""
     argv = environment_bwrap_args(built, ["bash", "-c", command], workspace=workspace, env=env)
     t0 = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT if merge else asyncio.subprocess.PIPE,
-                                                start_new_session=True)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT if merge else asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-        return proc.returncode, False, out.decode(errors="replace"), (err or b"").decode(errors="replace"), time.monotonic() - t0
-    except asyncio.TimeoutError:
+        return (
+            proc.returncode,
+            False,
+            out.decode(errors="replace"),
+            (err or b"").decode(errors="replace"),
+            time.monotonic() - t0,
+        )
+    except TimeoutError:
         try:
             os.killpg(proc.pid, 9)
         except ProcessLookupError:
@@ -178,7 +199,7 @@ async def run_command(built: BuiltEnvironment, workspace: Path, command: str, ti
         out = err = b""
         try:
             out, err = await asyncio.wait_for(proc.communicate(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return None, True, out.decode(errors="replace"), (err or b"").decode(errors="replace"), time.monotonic() - t0
 
@@ -226,16 +247,20 @@ async def locate_imports(built: BuiltEnvironment, task: Task, ws: Path) -> dict[
 
 def judge_imports(imports: dict[str, str | None]) -> list[str]:
     """Reasons a task's imports reject it: an own module found outside the workspace."""
-    return [f"imports: the tests import {name} from {where}, not from the repository's files under {WORKSPACE}: "
-            "a copy of the same distribution in the environment (installed from the index, e.g. as a dependency "
-            "of the test requirements) shadows the repository, so the tests would not exercise its code; install "
-            "the project (python.install_project = true, resolved together with the test requirements) or put "
-            "its source folder on the path"
-            for name, where in imports.items() if where and not (where + "/").startswith(WORKSPACE + "/")]
+    return [
+        f"imports: the tests import {name} from {where}, not from the repository's files under {WORKSPACE}: "
+        "a copy of the same distribution in the environment (installed from the index, e.g. as a dependency "
+        "of the test requirements) shadows the repository, so the tests would not exercise its code; install "
+        "the project (python.install_project = true, resolved together with the test requirements) or put "
+        "its source folder on the path"
+        for name, where in imports.items()
+        if where and not (where + "/").startswith(WORKSPACE + "/")
+    ]
 
 
-async def run_phase(built: BuiltEnvironment, task: Task, phase: str, scratch: Path,
-                    imports: dict[str, str | None] | None = None) -> PhaseRun:
+async def run_phase(
+    built: BuiltEnvironment, task: Task, phase: str, scratch: Path, imports: dict[str, str | None] | None = None
+) -> PhaseRun:
     """One phase through kiln's runner, as reward runs it (``testrun.runner_command``): the
     statuses come from its report, the output is what the tests printed. ``imports``, when
     given, is filled with ``locate_imports`` over the same workspace after the run."""
@@ -306,9 +331,14 @@ async def validate_task(built: BuiltEnvironment, task: Task, scratch_root: Path 
     return verdict
 
 
-async def validate_suite(suite: TaskSuite, cache: EnvironmentCache, task_ids: list[str] | None = None, jobs: int = 2,
-                         on_verdict: Callable[[Verdict], None] | None = None,
-                         scratch_root: Path | None = None) -> list[Verdict]:
+async def validate_suite(
+    suite: TaskSuite,
+    cache: EnvironmentCache,
+    task_ids: list[str] | None = None,
+    jobs: int = 2,
+    on_verdict: Callable[[Verdict], None] | None = None,
+    scratch_root: Path | None = None,
+) -> list[Verdict]:
     """Validate the tasks (all, or ``task_ids``) of ``suite``, ``jobs`` at a time; each
     environment is built (or found in ``cache``) once. Verdicts in the suite's order."""
     tasks = [suite.get(t) for t in task_ids] if task_ids else list(suite.tasks)
@@ -323,8 +353,13 @@ async def validate_suite(suite: TaskSuite, cache: EnvironmentCache, task_ids: li
     async def one(task: Task) -> Verdict:
         env = built[task.environment] if task.environment else HOST
         if isinstance(env, EnvironmentBuildError):
-            v = Verdict(task.id, ok=False, reasons=[f"environment {env.environment!r} cannot be built: {env.step} step failed"],
-                        output_tail=_tail(env.reason), environment_error=str(env))
+            v = Verdict(
+                task.id,
+                ok=False,
+                reasons=[f"environment {env.environment!r} cannot be built: {env.step} step failed"],
+                output_tail=_tail(env.reason),
+                environment_error=str(env),
+            )
         else:
             async with sem:
                 v = await validate_task(env, task, scratch_root)

@@ -17,8 +17,12 @@ import urllib.request
 
 def run(command: str, timeout_s: float, url: str, key: str) -> dict:
     body = json.dumps({"command": command, "timeout_s": timeout_s}).encode()
-    req = urllib.request.Request(f"{url}/exec", data=body, method="POST",
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/exec",
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout_s + 30) as r:
         return json.loads(r.read())
 
@@ -31,7 +35,9 @@ def main(argv=None) -> int:
     command = sys.stdin.read() if args == ["-"] else " ".join(args)
     url, key = os.environ.get("KILN_EXEC_URL"), os.environ.get("KILN_EPISODE_KEY") or os.environ.get("OPENAI_API_KEY")
     if not command.strip() or not url or not key:
-        print("kiln-exec: needs a command, KILN_EXEC_URL and OPENAI_API_KEY (a kiln harness sets both)", file=sys.stderr)
+        print(
+            "kiln-exec: needs a command, KILN_EXEC_URL and OPENAI_API_KEY (a kiln harness sets both)", file=sys.stderr
+        )
         return 125
     try:
         r = run(command, timeout, url, key)

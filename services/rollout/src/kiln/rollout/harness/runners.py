@@ -27,24 +27,36 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
-
-from kiln.shared import contracts as c
-from kiln.shared.bus import RemoteError
-from kiln.shared.envpool_client import EnvPoolClient
-from kiln.shared.tasks import Task
-from kiln.shared.toolformats import tool_format
+from typing import Any
 
 from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import InferenceEngine
 from kiln.rollout.episode import Budget, Episode
 from kiln.rollout.harness.server import Endpoint
+from kiln.shared import contracts as c
+from kiln.shared.bus import RemoteError
+from kiln.shared.envpool_client import EnvPoolClient
+from kiln.shared.toolformats import tool_format
 
 LOG_TAIL = 4000
-PASS_ENV = {"SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY",
-            "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "TMPDIR", "UV_CACHE_DIR", "XDG_CACHE_HOME"}
+PASS_ENV = {
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "TMPDIR",
+    "UV_CACHE_DIR",
+    "XDG_CACHE_HOME",
+}
 PASS_ENV_PREFIXES = ("PIP_", "UV_")
 """The worker's environment a command harness sees: how to reach package indexes (a
 harness may install itself on first use), nothing else (no service credentials)."""
@@ -83,9 +95,16 @@ class HarnessFailed(Exception):
 async def _run_command(h: HarnessSettings, env: dict[str, str], timeout_s: float) -> str:
     with tempfile.TemporaryDirectory(prefix="kiln-harness-") as cwd:
         proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", h.entry, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            "bash",
+            "-c",
+            h.entry,
+            cwd=cwd,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
         out = bytearray()
 
         async def read() -> None:
@@ -98,7 +117,7 @@ async def _run_command(h: HarnessSettings, env: dict[str, str], timeout_s: float
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
             timed_out = False
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         finally:
             try:  # the whole group: a harness's children go with it
@@ -108,7 +127,7 @@ async def _run_command(h: HarnessSettings, env: dict[str, str], timeout_s: float
             await proc.wait()
             try:
                 await asyncio.wait_for(reader, 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reader.cancel()
     text = out.decode(errors="replace")[-LOG_TAIL:]
     if timed_out:
@@ -129,19 +148,47 @@ async def run_harness_episode(
     wait_resume: Callable[[], Awaitable[None]],
 ) -> c.Trajectory:
     req, task, h = spec.request, spec.task, settings.harness
-    traj = dict(run_id=req.run_id, trajectory_id=f"{req.group_id}-s{spec.sample_index}", group_id=req.group_id,
-                task_id=req.task_id, sample_index=spec.sample_index, dispatch_version=req.dispatch_version,
-                worker_id=spec.worker_id, started_at=time.time())  # fmt: skip
+    traj = dict(
+        run_id=req.run_id,
+        trajectory_id=f"{req.group_id}-s{spec.sample_index}",
+        group_id=req.group_id,
+        task_id=req.task_id,
+        sample_index=spec.sample_index,
+        dispatch_version=req.dispatch_version,
+        worker_id=spec.worker_id,
+        started_at=time.time(),
+    )
     ttl = max(req.deadline - time.time(), 1.0) + settings.sandbox_score_buffer_s
     try:
         sandbox = await envpool.create(task.id, run_id=req.run_id, ttl_s=ttl)
     except RemoteError as e:
-        return c.Trajectory(**traj, status=c.TrajectoryStatus.INFRA_ERROR, infra_error=f"sandbox create failed: {e}",
-                            infra_code=e.code, token_ids=[], logprobs=[], token_versions=[], loss_mask=[], finish_reason="error")  # fmt: skip
-    budget = Budget(max_generated_tokens=settings.max_total_tokens, max_calls=settings.max_turns, deadline=req.deadline,
-                    max_tokens_per_call=settings.max_new_tokens)  # fmt: skip
-    episode = Episode(traj["trajectory_id"], engine, tokenizer, tool_format(h.tool_format), budget, seed=spec.seed,
-                      temperature=spec.temperature, wait_resume=wait_resume)  # fmt: skip
+        return c.Trajectory(
+            **traj,
+            status=c.TrajectoryStatus.INFRA_ERROR,
+            infra_error=f"sandbox create failed: {e}",
+            infra_code=e.code,
+            token_ids=[],
+            logprobs=[],
+            token_versions=[],
+            loss_mask=[],
+            finish_reason="error",
+        )
+    budget = Budget(
+        max_generated_tokens=settings.max_total_tokens,
+        max_calls=settings.max_turns,
+        deadline=req.deadline,
+        max_tokens_per_call=settings.max_new_tokens,
+    )
+    episode = Episode(
+        traj["trajectory_id"],
+        engine,
+        tokenizer,
+        tool_format(h.tool_format),
+        budget,
+        seed=spec.seed,
+        temperature=spec.temperature,
+        wait_resume=wait_resume,
+    )
     key = endpoint.register(episode, sandbox, settings.tool_timeout_s)
     outcome, log = "harness_done", ""
     timeout_s = max(req.deadline - time.time(), 0.0) + h.grace_s
@@ -150,19 +197,30 @@ async def run_harness_episode(
             import openai
 
             # One connection pool for every episode of the worker (a client of its own costs ~30 ms to make).
-            client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, http_client=endpoint.http_client())
+            client = openai.AsyncOpenAI(
+                base_url=f"{base_url}/v1", api_key=key, max_retries=0, http_client=endpoint.http_client()
+            )
             try:
                 await asyncio.wait_for(load_entry(h.entry)(task, client, SandboxHandle(envpool, sandbox)), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise HarnessFailed("timeout", "") from None
             except Exception as e:  # the harness's own failure: recorded, scored
                 raise HarnessFailed("harness_error", "".join(traceback.format_exception(e))[-LOG_TAIL:]) from None
         else:
             passed = {k: v for k, v in os.environ.items() if k in PASS_ENV or k.startswith(PASS_ENV_PREFIXES)}
-            env = {**passed, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
-                   "OPENAI_BASE_URL": f"{base_url}/v1", "OPENAI_API_KEY": key, "KILN_EXEC_URL": f"{base_url}/kiln/v1",
-                   "KILN_TASK_ID": task.id, "KILN_PROBLEM_STATEMENT": task.problem_statement, "KILN_WORKDIR": os.getcwd(),
-                   **h.env}  # fmt: skip
+            env = {
+                **passed,
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": os.environ.get("HOME", "/tmp"),
+                "LANG": "C.UTF-8",
+                "OPENAI_BASE_URL": f"{base_url}/v1",
+                "OPENAI_API_KEY": key,
+                "KILN_EXEC_URL": f"{base_url}/kiln/v1",
+                "KILN_TASK_ID": task.id,
+                "KILN_PROBLEM_STATEMENT": task.problem_statement,
+                "KILN_WORKDIR": os.getcwd(),
+                **h.env,
+            }
             log = await _run_command(h, env, timeout_s)
     except HarnessFailed as e:
         outcome, log = e.outcome, e.log
@@ -186,8 +244,20 @@ async def run_harness_episode(
         status, infra = c.TrajectoryStatus.INFRA_ERROR, f"{outcome}: {log[-300:]}"
     s = episode.seq
     return c.Trajectory(
-        **traj, status=status, infra_error=infra, messages=episode.transcript(), token_ids=s.ids, logprobs=s.logprobs,
-        token_versions=s.versions, loss_mask=s.mask, num_turns=len(episode.calls), malformed_tool_calls=episode.malformed,
-        finish_reason=outcome, sandbox=sandbox, final_diff=final_diff, segments=episode.segments, harness_log=log,
+        **traj,
+        status=status,
+        infra_error=infra,
+        messages=episode.transcript(),
+        token_ids=s.ids,
+        logprobs=s.logprobs,
+        token_versions=s.versions,
+        loss_mask=s.mask,
+        num_turns=len(episode.calls),
+        malformed_tool_calls=episode.malformed,
+        finish_reason=outcome,
+        sandbox=sandbox,
+        final_diff=final_diff,
+        segments=episode.segments,
+        harness_log=log,
         finished_at=time.time(),
-    )  # fmt: skip
+    )

@@ -25,17 +25,16 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kiln.rollout.episode import Choice, Episode, EpisodeError
 from kiln.shared import contracts as c
 from kiln.shared.bus import RemoteError
 from kiln.shared.envpool_client import EnvPoolClient
-
-from kiln.rollout.episode import Choice, Episode, EpisodeError
 
 
 class ChatRequest(BaseModel):
@@ -70,7 +69,9 @@ class Binding:
     exec_timeout_s: float
 
 
-def _error(status: int, message: str, code: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, code: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
@@ -115,7 +116,10 @@ class Endpoint:
         async def models(request: Request):
             if self._binding(request) is None:
                 return _error(401, "unknown or finished episode key", "invalid_api_key", "authentication_error")
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}]}
+            return {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}],
+            }
 
         @app.post("/v1/chat/completions")
         async def completions(request: Request):
@@ -126,15 +130,30 @@ class Endpoint:
                 req = ChatRequest.model_validate(await request.json())
             except ValidationError as e:
                 first = e.errors()[0]
-                return _error(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}", "invalid_request", param=str(first["loc"][0]))
+                return _error(
+                    400,
+                    f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                    "invalid_request",
+                    param=str(first["loc"][0]),
+                )
             except json.JSONDecodeError:
                 return _error(400, "the body is not JSON", "invalid_json")
             if req.top_p is not None and req.top_p != 1.0:
-                return _error(400, "top_p must be 1: kiln trains on the exact distribution it samples from", "unsupported_parameter", param="top_p")
+                return _error(
+                    400,
+                    "top_p must be 1: kiln trains on the exact distribution it samples from",
+                    "unsupported_parameter",
+                    param="top_p",
+                )
             tools = [] if req.tool_choice == "none" else req.tools
             try:
-                call = await b.episode.complete(req.messages, tools, n=req.n, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                                temperature=req.temperature)  # fmt: skip
+                call = await b.episode.complete(
+                    req.messages,
+                    tools,
+                    n=req.n,
+                    max_tokens=req.max_completion_tokens or req.max_tokens,
+                    temperature=req.temperature,
+                )
             except EpisodeError as e:
                 return _error(e.status, str(e), e.code)
             body = self._response(call.choices, len(call.prompt_ids))
@@ -177,9 +196,14 @@ class Endpoint:
         out = []
         for i, ch in enumerate(choices):
             tool_calls = [
-                {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": json.dumps(p.arguments, ensure_ascii=False)}}
-                for p in ch.calls if not p.error
-            ]  # fmt: skip
+                {
+                    "id": p.id,
+                    "type": "function",
+                    "function": {"name": p.name, "arguments": json.dumps(p.arguments, ensure_ascii=False)},
+                }
+                for p in ch.calls
+                if not p.error
+            ]
             message: dict[str, Any] = {"role": "assistant", "content": ch.prose or (None if tool_calls else "")}
             if tool_calls:
                 message["tool_calls"] = tool_calls
@@ -191,7 +215,11 @@ class Endpoint:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": out,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated},
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated,
+            },
         }
 
     @staticmethod
@@ -200,7 +228,11 @@ class Endpoint:
         base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
 
         def chunk(index: int, delta: dict, finish: str | None = None) -> str:
-            return "data: " + json.dumps({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
+                + "\n\n"
+            )
 
         for ch in body["choices"]:
             i, msg = ch["index"], ch["message"]
@@ -208,8 +240,19 @@ class Endpoint:
             if msg.get("content"):
                 yield chunk(i, {"content": msg["content"]})
             for k, tc in enumerate(msg.get("tool_calls", [])):
-                yield chunk(i, {"tool_calls": [{"index": k, "id": tc["id"], "type": "function",
-                                                "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}}]})  # fmt: skip
+                yield chunk(
+                    i,
+                    {
+                        "tool_calls": [
+                            {
+                                "index": k,
+                                "id": tc["id"],
+                                "type": "function",
+                                "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]},
+                            }
+                        ]
+                    },
+                )
             yield chunk(i, {}, ch["finish_reason"])
             await asyncio.sleep(0)
         yield "data: [DONE]\n\n"

@@ -19,8 +19,9 @@ implementations load when chosen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from kiln.shared.weights.transport.config import (
     DEPRECATED_KEYS,
@@ -37,9 +38,17 @@ if TYPE_CHECKING:
     from kiln.shared.weights.transport.base import FolderEngine, WeightFeed, WeightSender
 
 __all__ = [
-    "DEPRECATED_KEYS", "DeprecatedKeyWarning", "FilesTransport", "HttpTransport", "TorchBroadcastTransport",
-    "Transport", "VllmNcclTransport", "make_feed", "make_sender", "migrate_flat_keys",
-]  # fmt: skip
+    "DEPRECATED_KEYS",
+    "DeprecatedKeyWarning",
+    "FilesTransport",
+    "HttpTransport",
+    "TorchBroadcastTransport",
+    "Transport",
+    "VllmNcclTransport",
+    "make_feed",
+    "make_sender",
+    "migrate_flat_keys",
+]
 
 
 def make_sender(transport: Transport) -> WeightSender:
@@ -58,9 +67,17 @@ def make_sender(transport: Transport) -> WeightSender:
 
 
 def make_feed(
-    transport: Transport, engine: FolderEngine, *, run_id: str, tracer, on_served: Callable[[int, str], None],
-    cache_dir: Path, delta: bool, http_token: str = "", eval_worker: bool = False,
-) -> WeightFeed:  # fmt: skip
+    transport: Transport,
+    engine: FolderEngine,
+    *,
+    run_id: str,
+    tracer,
+    on_served: Callable[[int, str], None],
+    cache_dir: Path,
+    delta: bool,
+    http_token: str = "",
+    eval_worker: bool = False,
+) -> WeightFeed:
     """An engine worker's end of ``transport``. ``cache_dir`` is used unless
     ``transport.cache_dir`` names one; without either and without ``delta``, a store on a
     shared disk is read in place."""

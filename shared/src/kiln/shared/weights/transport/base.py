@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kiln.shared.contracts import WeightsManifest, WeightsPublished
 from kiln.shared.weights.manifest import IntegrityError
@@ -121,7 +122,7 @@ class WeightFeed(ABC):
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= version), timeout)
                 return True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
 
     async def _notify(self) -> None:

@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -99,7 +99,7 @@ class VllmNcclTransport(_GroupTransport):
 
 
 Transport = Annotated[
-    Union[FilesTransport, HttpTransport, TorchBroadcastTransport, VllmNcclTransport], Field(discriminator="kind")
+    FilesTransport | HttpTransport | TorchBroadcastTransport | VllmNcclTransport, Field(discriminator="kind")
 ]
 
 
@@ -119,9 +119,14 @@ DEPRECATED_KEYS: dict[str, str] = {
     "broadcast_world_size": "`transport.world_size`",
     "broadcast_rank": "`transport.rank`",
     "cache_dir": "`transport.cache_dir`",
-}  # fmt: skip
+}
 _RENAMED = {"broadcast_init_method": "init_method", "broadcast_world_size": "world_size", "broadcast_rank": "rank"}
-_OLD_DEFAULTS = {"broadcast_init_method": "", "broadcast_world_size": 0, "broadcast_rank": 0, "broadcast_backend": "nccl"}
+_OLD_DEFAULTS = {
+    "broadcast_init_method": "",
+    "broadcast_world_size": 0,
+    "broadcast_rank": 0,
+    "broadcast_backend": "nccl",
+}
 _GROUPS = ("torch-broadcast", "vllm-nccl")
 
 
@@ -155,7 +160,9 @@ def migrate_flat_keys(data: dict[str, Any]) -> dict[str, Any]:
             continue
         if kind not in _GROUPS:
             if old[key] != _OLD_DEFAULTS[key]:
-                raise ValueError(f"weights.{key} = {old[key]!r} applies only to weights.fetch = 'broadcast' (now {kind!r})")
+                raise ValueError(
+                    f"weights.{key} = {old[key]!r} applies only to weights.fetch = 'broadcast' (now {kind!r})"
+                )
         elif key == "broadcast_backend":
             if kind == "torch-broadcast":
                 t["backend"] = old[key]

@@ -25,12 +25,11 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from kiln.shared.contracts import WeightsManifest, WeightsPublished
-from kiln.shared.weights.transport.base import WeightFeed
 from kiln.shared.weights.delta import apply_delta
 from kiln.shared.weights.manifest import MANIFEST, IntegrityError, verify
+from kiln.shared.weights.transport.base import WeightFeed
 
 log = logging.getLogger("kiln.weights.receiver")
-
 
 
 class Source(ABC):

@@ -37,7 +37,10 @@ from kiln.shared.weights.transport.config import TorchBroadcastTransport
 
 log = logging.getLogger("kiln.weights.broadcast")
 
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)
+}
 
 
 @dataclass
@@ -61,7 +64,11 @@ class BroadcastGroup:
         self.s = s
         self.device = torch.device("cuda", torch.cuda.current_device()) if s.backend == "nccl" else torch.device("cpu")
         dist.init_process_group(
-            s.backend, init_method=s.init_method, world_size=s.world_size, rank=s.rank, timeout=timedelta(seconds=s.timeout_s)
+            s.backend,
+            init_method=s.init_method,
+            world_size=s.world_size,
+            rank=s.rank,
+            timeout=timedelta(seconds=s.timeout_s),
         )
 
     def close(self) -> None:
@@ -86,7 +93,12 @@ class BroadcastGroup:
             "run_id": run_id,
             "version": version,
             "tensors": [
-                [n, str(tensors[n].dtype).removeprefix("torch."), list(tensors[n].shape), _sha(tensors[n]) if self.s.verify else ""]
+                [
+                    n,
+                    str(tensors[n].dtype).removeprefix("torch."),
+                    list(tensors[n].shape),
+                    _sha(tensors[n]) if self.s.verify else "",
+                ]
                 for n in names
             ],
         }

@@ -39,9 +39,19 @@ log = logging.getLogger("kiln.weights.vllm")
 
 # safetensors dtype tags -> torch attribute names (what vLLM's update info carries)
 _TORCH_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def update_info(manifest: WeightsManifest) -> dict:
@@ -65,7 +75,9 @@ def worker_init_info(init_method: str, rank: int, world_size: int) -> dict:
 
     host, port = rendezvous(init_method)
     return worker_init_payload(
-        NCCLWeightTransferInitInfo(master_address=host, master_port=port, rank_offset=rank, world_size=world_size, packed=True)
+        NCCLWeightTransferInitInfo(
+            master_address=host, master_port=port, rank_offset=rank, world_size=world_size, packed=True
+        )
     )
 
 
@@ -92,8 +104,10 @@ class VllmTransferSender:
         sent = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
         packed_nccl_broadcast_producer(
             iterator=((n, tensors[n].to(self.device, non_blocking=True)) for n in names),
-            group=self.group, src=0, post_iter_func=lambda item: item[1],
-        )  # fmt: skip
+            group=self.group,
+            src=0,
+            post_iter_func=lambda item: item[1],
+        )
         return sent
 
 
@@ -147,7 +161,7 @@ class VllmNcclFeed(WeightFeed):
             # The sender's group formed with us in it, so our join is returning; one that
             # does not (a restarted engine cannot join a group that formed without it) reads files.
             await asyncio.wait_for(asyncio.shield(self._joined), self.t.fallback_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("not in the weights service's NCCL group; reading version %d from its files", msg.version)
             await self._load_files(msg)
             return

@@ -30,23 +30,36 @@ class KilnEnvironment:
         command = action.get("command", "") if isinstance(action, dict) else str(action)
         limit = float(timeout or self.timeout)
         body = json.dumps({"command": command, "timeout_s": limit}).encode()
-        req = urllib.request.Request(f"{self.url}/exec", data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}/exec",
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=limit + 30) as r:
                 res = json.loads(r.read())
         except (urllib.error.URLError, OSError) as e:
             return {"output": "", "returncode": -1, "exception_info": f"the sandbox could not run the command: {e}"}
-        output = {"output": res.get("stdout", "") + res.get("stderr", ""), "returncode": res.get("exit_code", -1),
-                  "exception_info": "the command timed out" if res.get("timed_out") else ""}
+        output = {
+            "output": res.get("stdout", "") + res.get("stderr", ""),
+            "returncode": res.get("exit_code", -1),
+            "exception_info": "the command timed out" if res.get("timed_out") else "",
+        }
         lines = output["output"].lstrip().splitlines(keepends=True)
         if lines and lines[0].strip() == SUBMIT and output["returncode"] == 0:
             submission = "".join(lines[1:])
-            raise Submitted({"role": "exit", "content": submission, "extra": {"exit_status": "Submitted", "submission": submission}})
+            raise Submitted(
+                {"role": "exit", "content": submission, "extra": {"exit_status": "Submitted", "submission": submission}}
+            )
         return output
 
     def get_template_vars(self, **kwargs) -> dict:
         return {"cwd": "/workspace", "timeout": self.timeout, **platform.uname()._asdict(), **kwargs}
 
     def serialize(self) -> dict:
-        return {"info": {"config": {"environment": {"timeout": self.timeout}, "environment_type": "kiln_mswea.KilnEnvironment"}}}
+        return {
+            "info": {
+                "config": {"environment": {"timeout": self.timeout}, "environment_type": "kiln_mswea.KilnEnvironment"}
+            }
+        }
