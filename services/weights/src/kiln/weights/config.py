@@ -38,7 +38,10 @@ def confined(src: Path, staging: Path) -> str | None:
     """Why the checkpoint folder ``src`` may not be taken (None: it may): it must be a folder
     inside ``staging`` (links resolved) holding plain files and folders only, so that no
     message can make the store read or link anything else on this machine."""
-    real = src.resolve()
+    try:
+        real = src.resolve()
+    except (ValueError, OSError) as e:  # a NUL byte, a name too long: no such folder can exist
+        return f"checkpoint folder {str(src)[:200]!r} is not a valid path ({e})"
     if real == staging or staging not in real.parents:
         return f"checkpoint folder {src} is not inside the staging folder {staging}"
     if src.is_symlink() or not real.is_dir():

@@ -71,6 +71,8 @@ async def serve(ctx: ServiceContext) -> None:
                 )
             except IntegrityError as e:  # the folder is not what the learner hashed: retrying cannot help
                 raise Reject(str(e)) from e
+            except ValueError as e:  # a file name no path can hold (a NUL byte): retrying cannot help
+                raise Reject(f"the checkpoint names a file no path can hold: {e}") from e
             m = stored.manifest
             async with db.session() as s:
                 row = await s.get(PolicyVersion, (ck.run_id, ck.version))
