@@ -15,10 +15,10 @@ import asyncio
 import tempfile
 import time
 
+from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings
-from kiln.shared.embedded import NatsServer
 
 
 async def main(n: int, size: int) -> None:

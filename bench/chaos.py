@@ -4,12 +4,12 @@ the kills survived, the groups lost and the wall time against an unkilled baseli
 
     .venv/bin/python bench/chaos.py --config configs/smoke.toml --steps 40 --kills 10 --seed 7 --baseline
 
-The same as ``kiln chaos``; the code is ``kiln.shared.chaos``. Exit 1 when an invariant
+The same as ``kiln chaos``; the code is ``kiln.ops.chaos``. Exit 1 when an invariant
 fails (the reasons are printed)."""
 
 import sys
 
-from kiln.shared.chaos.monkey import main
+from kiln.ops.chaos.monkey import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="bench/chaos.py"))

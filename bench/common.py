@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from kiln.ops.embedded import NatsServer
 from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings, render_toml
-from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
 
 STOP_GRACE_S = 30.0

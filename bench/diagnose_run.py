@@ -29,8 +29,8 @@ from sqlalchemy import create_engine, text
 
 from kiln.learner.config import LearnerConfig
 from kiln.learner.sft import demonstration, encode
+from kiln.ops.embedded import PostgresServer
 from kiln.shared.config import load_config
-from kiln.shared.embedded import PostgresServer
 from kiln.shared.model.checkpoint import load_checkpoint
 from kiln.shared.model.tokenizer import load_tokenizer
 from kiln.shared.tasks import load_suite

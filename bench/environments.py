@@ -43,10 +43,10 @@ from pathlib import Path
 
 from nats import errors as nats_errors
 
+from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
 from kiln.shared.config import NatsSettings, render_toml
-from kiln.shared.embedded import NatsServer
 from kiln.shared.environments import load_environments
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task, load_suite
@@ -141,8 +141,8 @@ def small_repository(folder: Path) -> Path:
 
 
 async def main(a) -> None:
-    from kiln.envpool import overlay
     from kiln.envpool.environments import EnvironmentCache
+    from kiln.envpool.workspaces import overlay
 
     if why := overlay.supported():
         sys.exit(f"environment sandboxes cannot run here: {why}")
@@ -305,7 +305,7 @@ async def main(a) -> None:
             await pool.destroy(parent)
 
         # -- the overlay view alone, in this process --------------------------------------
-        from kiln.envpool.overlay import IdmapNamespaces, LowerLayer, OverlayView
+        from kiln.envpool.workspaces.overlay import IdmapNamespaces, LowerLayer, OverlayView
 
         lowers = [LowerLayer(la.path, owned=la.name == "repository") for la in built.layers]
         task_layer = tmp / "task-layer"

@@ -31,11 +31,11 @@ from common import STOP_GRACE_S, stop_children
 from nats import errors as nats_errors
 
 from kiln.envpool.config import EnvPoolConfig
-from kiln.envpool.sandbox import Identity, Limits
+from kiln.envpool.isolation.sandbox import Identity, Limits
+from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
 from kiln.shared.config import NatsSettings, load_config, render_toml
-from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
 
 
@@ -159,7 +159,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
         ]
         ref = await pool.create("fix-calc")
         reply = await bus.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="fix-calc"), c.SandboxCreated)
-        from kiln.envpool import bwrap as bw
+        from kiln.envpool.isolation import bwrap as bw
 
         etc = next(r for r in roots if Path(reply.workspace).is_relative_to(r)) / "etc"
         system = bw.system_args(cfg.envpool.ro_binds, etc)
@@ -167,7 +167,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
         sb = bw.BwrapSandbox("b", ws, Limits.from_settings(cfg.envpool), Identity(), None, None, system=system)
         argv = sb.argv(["true"])  # bwrap with the sandbox's own arguments, nothing around it
 
-        def node_files() -> None:  # what the launcher's zygote does: the node's files at fds 3, 4, ...
+        def node_files() -> None:  # what the spawner's zygote does: the node's files at fds 3, 4, ...
             for fd, path in enumerate(system.files, 3):
                 os.dup2(os.open(path, os.O_RDONLY), fd)
 
@@ -210,7 +210,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
 
         cpu_note = (
             f"CPU per sequential lifecycle: env-pool {per('env-pool', 0):.1f} ms user + {per('env-pool', 1):.1f} ms system, "
-            f"its launcher {per('zygote', 0) + per('zygote', 1):.1f} ms, the sandboxes (bwrap, the command) "
+            f"its spawner {per('zygote', 0) + per('zygote', 1):.1f} ms, the sandboxes (bwrap, the command) "
             f"{per('zygote', 2):.1f} ms, nats-server "
             f"{per('nats-server', 0) + per('nats-server', 1):.1f} ms, this client "
             f"{1e3 * ((me1.user - me0.user) + (me1.system - me0.system)) / n:.1f} ms"

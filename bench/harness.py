@@ -31,11 +31,12 @@ from common import envpool_node
 from opentelemetry import trace
 
 from kiln.learner.policy import tokenizer_corpus
-from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.agent import run_episode
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
+from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.http import serve_http

@@ -73,7 +73,7 @@ def overrides(args, run_root: Path, mode: str) -> list[str]:
 
 
 async def run_mode(args, run_root: Path, mode: str) -> dict:
-    from kiln.shared.launcher import LocalPlatform
+    from kiln.ops.local_run import LocalPlatform
 
     platform = LocalPlatform(str(ROOT / "configs" / "smoke.toml"), overrides(args, run_root, mode))
     out = io.StringIO()

@@ -98,11 +98,11 @@ async def service(folder: Path, run_dir: Path, args):
     """The service stack, serving version 0; yields ``round(name) -> (tokens, wall, prompts)``."""
     import importlib
 
+    from kiln.ops.embedded import NatsServer
     from kiln.shared import contracts as c
     from kiln.shared.bus import Bus, RemoteError
     from kiln.shared.config import load_config, render_toml
     from kiln.shared.db import Database, Run, upgrade
-    from kiln.shared.embedded import NatsServer
     from kiln.shared.registry import discover
     from kiln.shared.service import run_service
     from kiln.shared.tasks import load_suite

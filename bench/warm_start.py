@@ -30,9 +30,10 @@ from opentelemetry import trace
 from kiln.learner.config import LearnerConfig
 from kiln.learner.policy import Policy
 from kiln.learner.sft import warm_start, wrong_target_edit
-from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.agent import run_episode
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.engine import TorchEngine
+from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.shared import contracts as c
 from kiln.shared.config import load_config
 from kiln.shared.tasks import Task, load_suite

@@ -46,11 +46,11 @@ import torch
 from common import stop_children
 from safetensors.torch import save_file
 
+from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings, render_toml
 from kiln.shared.db import Database, Run, upgrade
-from kiln.shared.embedded import NatsServer
 from kiln.shared.weights.manifest import file_infos, sha256_files
 
 RUN = "bench-weights"

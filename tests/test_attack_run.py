@@ -21,13 +21,13 @@ import attacks_in_process as inproc
 import pytest
 from fastapi.testclient import TestClient
 
-from kiln.shared.dashboard.app import create_app
+from kiln.ops.dashboard.app import create_app
+from kiln.ops.embedded import PostgresServer
 from kiln.shared.db import Database
-from kiln.shared.embedded import PostgresServer
 from kiln.shared.tasks import BUILTIN, load_suite
 
 REPO = Path(__file__).resolve().parents[1]
-KILN = [sys.executable, "-m", "kiln.shared.cli"]
+KILN = [sys.executable, "-m", "kiln.ops.cli"]
 CALC = load_suite("builtin").get("fix-calc")
 
 

@@ -1,5 +1,5 @@
 """The authenticated bus, against a real nats-server started with kiln's credentials
-(``kiln.shared.busauth``, what ``kiln run`` does): no credential, no connection; a
+(``kiln.shared.bus.auth``, what ``kiln run`` does): no credential, no connection; a
 rollout credential cannot publish a checkpoint or dispatch work; only rollout and reward
 reach env-pool's subjects; what each service does need still works."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus, RemoteError
-from kiln.shared.busauth import Credentials, denied, server_config
+from kiln.shared.bus.auth import Credentials, denied, server_config
 from kiln.shared.config import NatsSettings
-from kiln.shared.embedded import NatsServer
 
 SERVICES = ["env-pool", "rollout", "reward", "learner", "weights"]
 

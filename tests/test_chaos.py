@@ -1,6 +1,6 @@
 """The chaos tool (``kiln chaos``, ``bench/chaos.py``): a real ``kiln run`` whose processes
 are SIGKILLed at seeded moments of its progress (nats-server included) must finish with
-every invariant of ``kiln.shared.chaos.invariants`` holding; and the checker itself must
+every invariant of ``kiln.ops.chaos.invariants`` holding; and the checker itself must
 fail on a run whose records are broken in each way it claims to detect, so that a chaos
 run cannot pass vacuously."""
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, update
 
+from kiln.ops.chaos import invariants as inv
+from kiln.ops.chaos.monkey import TARGETS, plan
 from kiln.shared import contracts as c
-from kiln.shared.chaos import invariants as inv
-from kiln.shared.chaos.monkey import TARGETS, plan
 from kiln.shared.db import Database, PolicyVersion, Run, StepRecord, TaskGroup, TrajectoryRecord, upgrade
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,9 +293,9 @@ def test_the_host_check_finds_a_leftover_process_and_workspace(tmp_path):
 
 
 async def test_the_bus_check_tells_deliberate_dead_letters_from_others(tmp_path):
+    from kiln.ops.embedded import NatsServer
     from kiln.shared.bus import Bus
     from kiln.shared.config import NatsSettings
-    from kiln.shared.embedded import NatsServer
 
     server = NatsServer(tmp_path / "nats").start()
     try:
@@ -371,16 +371,16 @@ async def test_a_learner_killed_after_its_commit_writes_the_steps_row_on_resume(
 
     calls = []
 
-    class Controller:
-        published_version = 2
+    class Controller:  # the trainer's view of it: kiln.learner.ledger.TrainerLedger
+        def last_published(self):
+            return 2
 
         async def mark_trained(self, groups, trajs, version, *, resumed=False):
             calls.append(("trained", groups, version, resumed))
 
-        async def record_step(self, metrics):
-            calls.append(("step", metrics))
-
-        def step_recorded(self, version):
+        async def step_finished(self, version, metrics, *, resumed=False):
+            if metrics is not None:
+                calls.append(("step", metrics))
             calls.append(("recorded", version))
 
     class Bus:

@@ -28,10 +28,10 @@ import pytest
 import yaml
 from test_compose import COMPOSE_FILE, ROOT, SERVICE_FOLDERS, _env, _interpolate, _service, _volumes
 
-from kiln.shared.busauth import SECRET_SERVICES
+from kiln.ops.embedded import nats_server_binary
+from kiln.shared.bus.auth import SECRET_SERVICES
 from kiln.shared.config import NatsSettings
 from kiln.shared.devtls import DEFAULT_HOSTS
-from kiln.shared.embedded import nats_server_binary
 
 CLUSTER_FILE = ROOT / "docker-compose.cluster.yml"
 NODES = ("nats", "nats-2", "nats-3")
@@ -106,7 +106,7 @@ def test_every_secret_is_declared_and_generated_by_kiln_bus_credentials(base, me
     used = {s for svc in merged["services"].values() for s in svc.get("secrets") or []}
     assert used <= set(declared), f"undeclared secrets: {used - set(declared)}"
     r = subprocess.run(
-        [sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(tmp_path), "--tls"],
+        [sys.executable, "-m", "kiln.ops.cli", "bus", "credentials", "--out", str(tmp_path), "--tls"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -169,7 +169,7 @@ def test_nats_server_accepts_the_config_with_generated_secrets(tmp_path, conf):
     """As in the container: the config in <root>/etc/nats, the secrets in <root>/run/secrets."""
     secrets = tmp_path / "run" / "secrets"
     r = subprocess.run(
-        [sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
+        [sys.executable, "-m", "kiln.ops.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
         capture_output=True,
         text=True,
         timeout=120,

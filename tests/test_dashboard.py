@@ -10,9 +10,9 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+from kiln.ops.dashboard import create_app
+from kiln.ops.dashboard.plots import histogram, line_chart
 from kiln.shared import contracts as c
-from kiln.shared.dashboard import create_app
-from kiln.shared.dashboard.plots import histogram, line_chart
 from kiln.shared.db import Database, EvalRecord, Run, StepRecord, TrajectoryRecord, upgrade
 
 
@@ -200,7 +200,7 @@ def test_empty_charts_say_so():
 def test_span_tree_from_trace_files(tmp_path):
     import json
 
-    from kiln.shared.dashboard.traces import span_tree
+    from kiln.ops.dashboard.traces import span_tree
 
     def span(name, sid, parent, t, service, trace="ab" * 16):
         return json.dumps(

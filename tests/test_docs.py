@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kiln.shared.cli import config_reference, topology_markdown
+from kiln.ops.cli import config_reference, topology_markdown
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

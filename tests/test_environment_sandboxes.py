@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import InProcessPlatform, experiment, score_unchanged_and_solved, wait_for, write_suite
 
-from kiln.envpool import overlay
+from kiln.envpool.workspaces import overlay
 from kiln.shared import contracts as c
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.tasks import Task

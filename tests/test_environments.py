@@ -387,7 +387,7 @@ def test_kiln_env_build_prints_digests_and_fails_clearly(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "kiln.shared.cli",
+        "kiln.ops.cli",
         "env",
         "build",
         str(tmp_path / "envs.toml"),

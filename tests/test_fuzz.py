@@ -54,14 +54,14 @@ from fuzzing import (
 from harness import InProcessPlatform, experiment, wait_for
 from hypothesis import strategies as st
 
+from kiln.ops.embedded import NatsServer
+from kiln.ops.local_run import LocalPlatform
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
 from kiln.shared.config import EvalSettings, NatsSettings
 from kiln.shared.db import Database, upgrade
-from kiln.shared.embedded import NatsServer
 from kiln.shared.envpool_client import EnvPoolClient
 from kiln.shared.evaluation import EvalCollector
-from kiln.shared.launcher import LocalPlatform
 from kiln.shared.tasks import load_suite
 from kiln.shared.tools import TOOLS
 

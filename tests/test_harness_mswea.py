@@ -66,7 +66,7 @@ def test_the_mini_swe_agent_preset_trains(tmp_path, mswea_venv):
     mini-swe-agent driving every episode; reward scores them, the learner trains them."""
     import psycopg
 
-    from kiln.shared.embedded import PostgresServer
+    from kiln.ops.embedded import PostgresServer
 
     proc = subprocess.run(
         [

@@ -20,10 +20,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from kiln.shared.embedded import PostgresServer
+from kiln.ops.embedded import PostgresServer
 
 REPO = Path(__file__).resolve().parents[1]
-KILN = [sys.executable, "-m", "kiln.shared.cli"]
+KILN = [sys.executable, "-m", "kiln.ops.cli"]
 
 
 def _run_dir(output: str) -> Path:

@@ -18,10 +18,10 @@ import time
 
 import pytest
 
+from kiln.ops.embedded import NatsCluster, NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
 from kiln.shared.config import NatsSettings
-from kiln.shared.embedded import NatsCluster, NatsServer
 
 
 @pytest.fixture

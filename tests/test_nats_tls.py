@@ -25,11 +25,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
 from kiln.shared.bus import Bus
-from kiln.shared.busauth import Credentials, server_config
+from kiln.shared.bus.auth import Credentials, server_config
 from kiln.shared.config import NatsSettings
-from kiln.shared.embedded import NatsServer
 
 
 def _pem_key(key) -> bytes:
@@ -157,13 +157,13 @@ async def test_kiln_bus_credentials_serve_the_compose_nats_config_over_tls(tmp_p
     them, started for real (on loopback ports instead of the container's), serves a service
     that logs in with its password file and the generated CA, to ``localhost`` as the
     host's ``kiln`` commands do; another service's password is refused."""
-    from kiln.shared.busauth import write_secrets
-    from kiln.shared.embedded import _wait_port, free_port, nats_server_binary
+    from kiln.ops.embedded import _wait_port, free_port, nats_server_binary
+    from kiln.shared.bus.auth import write_secrets
 
     root = Path(__file__).resolve().parents[1]
     secrets = tmp_path / "run" / "secrets"
     r = subprocess.run(
-        [sys.executable, "-m", "kiln.shared.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
+        [sys.executable, "-m", "kiln.ops.cli", "bus", "credentials", "--out", str(secrets), "--tls"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -20,7 +20,7 @@ import pytest
 from harness import reward_platform, write_suite
 from test_reward import scored_messages, trajectory
 
-from kiln.envpool import overlay
+from kiln.envpool.workspaces import overlay
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, TrajectoryRecord
 from kiln.shared.envpool_client import EnvPoolClient

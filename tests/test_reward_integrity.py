@@ -44,6 +44,25 @@ def test_the_runner_reports_statuses_and_prints_for_people(tmp_path):
     assert r.stdout.count("\n") == 0  # one JSON document, nothing else
 
 
+def test_an_interpreter_of_another_bytecode_version_compiles_the_runner_from_its_source(tmp_path):
+    """Both halves of the runner travel compiled for this interpreter's bytecode version
+    and as source: with another magic number the runner compiles itself, same report."""
+    from importlib.util import MAGIC_NUMBER
+
+    for rel, text in CALC.files.items():
+        (tmp_path / rel).write_text(text)
+    cmd = runner_command(f"{sys.executable} -m unittest -v test_calc", IDS, 20)
+    magic = repr(MAGIC_NUMBER.hex())
+    assert cmd.count(magic) == 2, "the parent's and the child's compiled code are both keyed by the magic number"
+    reports = []
+    for variant in (cmd, cmd.replace(magic, repr("00000000"))):
+        r = subprocess.run(
+            ["bash", "-c", variant], cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+        )
+        reports.append(read_report(r.stdout, IDS))
+    assert [(x.statuses, x.completed, x.tampered, x.problems) for x in reports] == [("FP", True, [], [])] * 2
+
+
 def test_an_id_that_does_not_load_is_missing_and_named(tmp_path):
     _, report = run(tmp_path, CALC.files, ids=[*IDS, "test_calc.TestCalc.test_nope", "nomodule.T.t"])
     assert report.statuses == "FPMM" and report.completed

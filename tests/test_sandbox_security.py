@@ -297,7 +297,7 @@ async def other_env_pool(script: str, ready: Path):
 async def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
     """Two env-pools named alike on one host (two local runs, a test beside a run): one's
     shutdown must not remove the other's cgroups and kill its sandboxes."""
-    from kiln.envpool.cgroups import CgroupManager
+    from kiln.envpool.isolation.cgroups import CgroupManager
 
     mine = CgroupManager("same-node")
     if mine.mode == "none":
@@ -306,7 +306,7 @@ async def test_env_pools_with_one_node_id_do_not_share_cgroups(tmp_path):
     child, lines = await other_env_pool(
         (
             "import pathlib\n"
-            "from kiln.envpool.cgroups import CgroupManager\n"
+            "from kiln.envpool.isolation.cgroups import CgroupManager\n"
             "m = CgroupManager('same-node'); m.create('sb-other', memory_bytes=1 << 28, pids=64)\n"
             f"pathlib.Path({str(ready)!r}).write_text('\\n'.join(map(str, m.parents)))\n"
         ),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-KILN = [sys.executable, "-m", "kiln.shared.cli"]
+KILN = [sys.executable, "-m", "kiln.ops.cli"]
 
 
 def pids_with(*needles: str) -> list[int]:

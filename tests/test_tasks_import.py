@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.shared.cli import main
+from kiln.ops.cli import main
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import GitRepository, HostBase, OciBase
 from kiln.shared.tasks import load_suite

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.shared.cli import main
+from kiln.ops.cli import main
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.tasks import load_suite
 from kiln.shared.tasks.mutate import sites
@@ -313,7 +313,7 @@ def test_a_short_run_over_the_imported_suite(bugs, env_root, tmp_path):
     own tests in its environment, none is an infrastructure error."""
     import psycopg
 
-    from kiln.shared.embedded import PostgresServer
+    from kiln.ops.embedded import PostgresServer
 
     out = tmp_path / "suite"
     src = tmp_path / "rows.jsonl"
@@ -322,7 +322,7 @@ def test_a_short_run_over_the_imported_suite(bugs, env_root, tmp_path):
         [
             sys.executable,
             "-m",
-            "kiln.shared.cli",
+            "kiln.ops.cli",
             "tasks",
             "import",
             "--format",
@@ -340,7 +340,7 @@ def test_a_short_run_over_the_imported_suite(bugs, env_root, tmp_path):
         [
             sys.executable,
             "-m",
-            "kiln.shared.cli",
+            "kiln.ops.cli",
             "run",
             "--config",
             str(REPO / "configs" / "smoke.toml"),

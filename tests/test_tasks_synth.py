@@ -116,7 +116,7 @@ def _synth(out: Path, root: Path, seed: int = 0) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
-        "kiln.shared.cli",
+        "kiln.ops.cli",
         "tasks",
         "synth",
         "--package",
@@ -145,7 +145,7 @@ def synthesized(tmp_path_factory) -> tuple[Path, Path, str]:
 @needs_bwrap
 async def test_synthesized_tasks_validate_and_split_by_module(synthesized):
     from kiln.envpool.environments import EnvironmentCache
-    from kiln.envpool.environments.validate import validate_suite
+    from kiln.ops.tasks_validate import validate_suite
 
     path, root, log = synthesized
     suite = load_suite(str(path))
@@ -243,7 +243,7 @@ def test_validate_rejects_broken_tasks_with_reasons(synthesized, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "kiln.shared.cli",
+        "kiln.ops.cli",
         "tasks",
         "validate",
         "--suite",
@@ -285,7 +285,7 @@ def test_three_packages(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "kiln.shared.cli",
+        "kiln.ops.cli",
         "tasks",
         "synth",
         "--out",
@@ -311,7 +311,7 @@ def test_three_packages(tmp_path):
         [
             sys.executable,
             "-m",
-            "kiln.shared.cli",
+            "kiln.ops.cli",
             "tasks",
             "validate",
             "--suite",

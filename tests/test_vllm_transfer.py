@@ -17,10 +17,10 @@ from harness import experiment
 from safetensors.torch import load_file
 from test_weights import checkpoints
 
+from kiln.ops.embedded import free_port
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.main import check_broadcast
 from kiln.shared.config import load_config
-from kiln.shared.embedded import free_port
 from kiln.shared.weights.manifest import build_manifest
 from kiln.shared.weights.transport.vllm_nccl import rendezvous, update_info
 

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from harness import experiment, wait_for
 from test_weights import checkpoints
 
+from kiln.ops.embedded import free_port
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run
-from kiln.shared.embedded import free_port
 from kiln.shared.weights.transport.torch_broadcast import BroadcastGroup, BroadcastSettings
 
 

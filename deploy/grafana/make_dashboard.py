@@ -2,7 +2,7 @@
 
     .venv/bin/python deploy/grafana/make_dashboard.py
 
-The same views as the run dashboard (kiln.shared.dashboard) from Prometheus: reward and
+The same views as the run dashboard (kiln.ops.dashboard) from Prometheus: reward and
 pass rate, trajectories/s and tokens/s, learner idle, staleness, queue depths, groups
 in flight and dropped, sandboxes and their start latency, weight publishing.
 ``tests/test_compose.py`` checks that every query names a metric of kiln.shared.metrics.

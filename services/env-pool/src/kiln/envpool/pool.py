@@ -33,14 +33,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.envpool import overlay
-from kiln.envpool import upper as upp
-from kiln.envpool import workspace as wsp
-from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolSettings
-from kiln.envpool.patch import git_patch
-from kiln.envpool.sandbox import Identity, Limits, Sandbox
-from kiln.envpool.walk import Bounds
+from kiln.envpool.isolation.cgroups import CgroupManager
+from kiln.envpool.isolation.sandbox import Identity, Limits, Sandbox
+from kiln.envpool.workspaces import overlay
+from kiln.envpool.workspaces import trees as wsp
+from kiln.envpool.workspaces import upper as upp
+from kiln.envpool.workspaces.patch import git_patch
+from kiln.envpool.workspaces.walk import Bounds
 from kiln.shared import contracts as c
 from kiln.shared.bus import ServiceError
 from kiln.shared.tasks import TaskSuite

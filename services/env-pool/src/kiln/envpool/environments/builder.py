@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from kiln.envpool.bwrap import host_system_binds
+from kiln.envpool.isolation.bwrap import host_system_binds
 from kiln.shared.environments import VENV, WORKSPACE, DebianBase, EnvironmentSpec, OciBase
 
 from .layers import EnvironmentBuildError, LayerPlan

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.envpool.bwrap import host_system_binds
+from kiln.envpool.isolation.bwrap import host_system_binds
 from kiln.shared.environments import VENV, WORKSPACE
 
 from .builder import HOST_RO_BINDS

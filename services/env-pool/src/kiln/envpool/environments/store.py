@@ -12,7 +12,7 @@ from pathlib import Path
 import nats.js.errors
 
 from kiln.shared import contracts as c
-from kiln.shared.bustopology import ensure_object_store
+from kiln.shared.bus.topology import ensure_object_store
 
 from .unpack import extract_tar
 

@@ -24,7 +24,7 @@ No host path of the node is visible inside. The command is pid 1
 of its namespace (``--as-pid-1``: no bwrap process, whose argv names the node's folder,
 is in the sandbox; as pid 1 the command also reaps orphans, and its exit ends the
 namespace). The files bwrap reads (the filter, ``passwd``, ``group``) reach it as file
-descriptors that the launcher's zygote opens for each command (``System.files``, fds 3,
+descriptors that the spawner's zygote opens for each command (``System.files``, fds 3,
 4, ...; bwrap closes them before the exec), and ``passwd`` and ``group`` are copies
 bwrap makes (``--ro-bind-data``), so mountinfo shows ``/bindfileXXXXXX`` for them, not
 the node's folder. A bind mount shows its source's path inside the filesystem it comes
@@ -43,9 +43,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.envpool import seccomp as _seccomp
-from kiln.envpool.launcher import FIRST_FILE_FD, Launcher
-from kiln.envpool.sandbox import SANDBOX_PATH, Identity, Limits, Sandbox, spawn
+from kiln.envpool.isolation import seccomp as _seccomp
+from kiln.envpool.isolation.sandbox import SANDBOX_PATH, Identity, Limits, Sandbox, spawn
+from kiln.envpool.isolation.spawner import FIRST_FILE_FD, Spawner
 from kiln.shared.bus import ServiceError
 from kiln.shared.contracts import ExecResult
 
@@ -70,7 +70,7 @@ class System:
     """What every sandbox of a node sees (computed once per node), as bwrap options: the
     read-only host system (``mounts``), ``/etc/passwd`` and ``/etc/group`` (``identity``)
     and the seccomp filter (``seccomp``, empty when off). ``files`` are the host files the
-    launcher opens for each command at fds 3, 4, ... in this order; the options name those fds."""
+    spawner opens for each command at fds 3, 4, ... in this order; the options name those fds."""
 
     mounts: list[str]
     identity: list[str]
@@ -214,9 +214,9 @@ class BwrapSandbox(Sandbox):
         return await spawn(self, self.argv(argv), timeout_s, cwd=None, env={}, files=self.system.files)
 
 
-async def probe(system: System, identity: Identity, workspace: Path, launcher: Launcher) -> None:
+async def probe(system: System, identity: Identity, workspace: Path, spawner: Spawner) -> None:
     """Run ``true`` the way sandboxes will; raise ``BwrapError`` with bwrap's reason if it fails."""
-    sb = BwrapSandbox("probe", workspace, _PROBE_LIMITS, identity, None, launcher, system=system)
+    sb = BwrapSandbox("probe", workspace, _PROBE_LIMITS, identity, None, spawner, system=system)
     r = await sb.run(["true"], 30)
     if r.exit_code != 0:
         raise BwrapError(

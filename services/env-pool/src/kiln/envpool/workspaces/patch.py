@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-log = logging.getLogger("kiln.envpool.patch")
+log = logging.getLogger("kiln.envpool.workspaces.patch")
 
 MAX_PATCH_FILE = 1 << 20
 MAX_PATCH_BYTES = 1 << 20

@@ -17,7 +17,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.envpool.walk import Bounds, Tally, walk
+from kiln.envpool.workspaces.walk import Bounds, Tally, walk
 from kiln.shared.tasks import Task
 
 SKIP = {".tmp"}

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from kiln.envpool import search
-from kiln.envpool.sandbox import Sandbox
+from kiln.envpool.isolation.sandbox import Sandbox
+from kiln.envpool.tools import search
 from kiln.shared.contracts import ToolCall, ToolResult
 from kiln.shared.tools import (
     READ_ONLY_TOOLS,
@@ -46,7 +46,7 @@ MUTATING_FILE_TOOLS = frozenset({"edit_file", "write_file"})
 MIN_CALL_S = 0.05
 """A call left less time than this in its batch is not started."""
 
-log = logging.getLogger("kiln.envpool.tools")
+log = logging.getLogger("kiln.envpool.tools.executor")
 
 
 def _shown(path: str) -> str:
@@ -57,7 +57,7 @@ class ToolExecutor:
     def __init__(
         self, *, max_read_bytes: int, max_timeout_s: float, grep_max_matches: int, index, metrics=None, tracer=None
     ):
-        self.tracer = tracer or trace.get_tracer("kiln.envpool.tools")
+        self.tracer = tracer or trace.get_tracer("kiln.envpool.tools.executor")
         self.max_read_bytes = max_read_bytes
         self.max_timeout_s = max_timeout_s
         self.grep_max_matches = grep_max_matches

@@ -33,13 +33,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(a) -> int:
-    from kiln.shared.launcher import run_local
+    from kiln.ops.local_run import run_local
 
     return run_local(a.config, a.overrides)
 
 
 def cmd_chaos(a) -> int:
-    from kiln.shared.chaos.monkey import main as chaos_main
+    from kiln.ops.chaos.monkey import main as chaos_main
 
     return chaos_main(a.args)
 
@@ -60,10 +60,10 @@ def cmd_config_show(a) -> int:
 
 
 def config_reference() -> str:
-    from kiln.shared.launcher import LauncherConfig
+    from kiln.ops.local_run import LocalRunConfig
     from kiln.shared.registry import discover
 
-    classes: dict[str, type[ServiceConfig]] = {"kiln run": LauncherConfig}
+    classes: dict[str, type[ServiceConfig]] = {"kiln run": LocalRunConfig}
     classes.update({name: info.config_class() for name, info in discover().items()})
     sections: dict[str, tuple[type, list[str]]] = {}
     for svc, cls in classes.items():
@@ -147,7 +147,7 @@ def cmd_tasks_validate(a) -> int:
     (docs/tasks.md). Exit 1 when any task is rejected."""
     import asyncio
 
-    from kiln.envpool.environments.validate import validate_suite, write_valid
+    from kiln.ops.tasks_validate import validate_suite, write_valid
     from kiln.shared.tasks import load_suite
 
     try:
@@ -181,7 +181,7 @@ def cmd_tasks_synth(a) -> int:
     import asyncio
     from pathlib import Path
 
-    from kiln.envpool.environments.synth import Source, synthesize
+    from kiln.ops.tasks_synth import Source, synthesize
 
     try:
         sources = [Source.parse(p) for p in a.package] + [Source.folder(r) for r in a.repo]
@@ -278,14 +278,14 @@ def cmd_health(a) -> int:
 
 
 def cmd_eval(a) -> int:
-    from kiln.shared.eval_run import run_eval
+    from kiln.ops.posthoc_eval import run_eval
 
     versions = None if a.versions in (None, "all") else [int(v) for v in a.versions.split(",")]
     return run_eval(a.run_dir, versions, a.overrides)
 
 
 def cmd_dashboard(a) -> int:
-    from kiln.shared.dashboard.serve import run_dashboard
+    from kiln.ops.dashboard.serve import run_dashboard
 
     return run_dashboard(a.run_dir, a.db, a.host, a.port, a.token or os.environ.get("KILN_DASHBOARD_TOKEN", ""))
 
@@ -335,7 +335,7 @@ def cmd_env_build(a) -> int:
 def cmd_bus_credentials(a) -> int:
     from pathlib import Path
 
-    from kiln.shared.busauth import write_secrets
+    from kiln.shared.bus.auth import write_secrets
 
     out = Path(a.out)
     files = write_secrets(out)
@@ -350,7 +350,7 @@ def cmd_bus_credentials(a) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["chaos"]:  # its own parser (kiln.shared.chaos.monkey), options and all
+    if argv[:1] == ["chaos"]:  # its own parser (kiln.ops.chaos.monkey), options and all
         sys.exit(cmd_chaos(argparse.Namespace(args=argv[1:])))
     p = argparse.ArgumentParser(prog="kiln", description="kiln: asynchronous RL for coding agents")
     sub = p.add_subparsers(dest="cmd", required=True)

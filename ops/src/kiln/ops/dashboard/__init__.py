@@ -1,5 +1,5 @@
 """The web dashboard over the platform's database (``kiln dashboard``)."""
 
-from kiln.shared.dashboard.app import create_app
+from kiln.ops.dashboard.app import create_app
 
 __all__ = ["create_app"]

@@ -36,6 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.envpool.environments.cache import EnvironmentCache
+from kiln.envpool.environments.layers import BuiltEnvironment, EnvironmentBuildError
+from kiln.envpool.environments.sandbox import environment_bwrap_args
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import WORKSPACE
 from kiln.shared.tasks import Task, TaskSuite, write_suite_file
@@ -48,10 +51,6 @@ from kiln.shared.tasks.testrun import (
     runner_command,
     runner_spec,
 )
-
-from .cache import EnvironmentCache
-from .layers import BuiltEnvironment, EnvironmentBuildError
-from .sandbox import environment_bwrap_args
 
 HOST = BuiltEnvironment(name="host", digest="", host_base=True, layers=())
 """What a task without an environment runs in: the host's system, an empty workspace."""

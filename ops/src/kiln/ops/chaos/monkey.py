@@ -8,7 +8,7 @@ training trajectories (``at_i`` drawn from the seed over the first 85% of the ru
 only after the previous victim's replacement is running, so every kill meets a platform
 that is whole again. Optionally it publishes malformed messages on purpose (they must
 end in the dead-letter stream, and nothing else may). When the run is over it checks
-every invariant of ``kiln.shared.chaos.invariants`` from durable records and prints the
+every invariant of ``kiln.ops.chaos.invariants`` from durable records and prints the
 kills survived, the groups lost and the wall time against an unkilled baseline run of
 the same configuration and seed.
 
@@ -30,7 +30,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln.shared.chaos import invariants as inv
+from kiln.ops.chaos import invariants as inv
 
 TARGETS = ("rollout", "reward", "env-pool", "weights", "learner", "nats")
 """What can be killed: a service (any replica of it) or the embedded nats-server."""
@@ -213,7 +213,7 @@ class Monkey:
 
         settings = NatsSettings(url=self.platform.experiment["nats"]["url"])
         if self.platform.creds is not None:
-            from kiln.shared.busauth import ADMIN
+            from kiln.shared.bus.auth import ADMIN
 
             settings.user, settings.password = ADMIN, self.platform.creds.users[ADMIN]
         bus = await Bus.connect(settings, "chaos")
@@ -240,7 +240,7 @@ async def chaos_run(
     label: str = "chaos",
 ) -> Result:
     """One run with ``kills`` kills (0: a baseline), then every invariant checked."""
-    from kiln.shared.launcher import LocalPlatform
+    from kiln.ops.local_run import LocalPlatform
 
     run_id = f"{label}-s{seed}-{uuid.uuid4().hex[:6]}"
     overrides = ["local.dashboard=false", f"run.seed={seed}", *overrides, f"run.id={run_id}"]
@@ -283,7 +283,7 @@ async def check(res: Result, run_dir: Path, envpool_pids: dict[str, set[int]], i
     """Every invariant from durable records, into ``res``: the host first (before this
     check starts a database server of its own on the run's data), then the database, the
     weights store and the run's JetStream store."""
-    from kiln.shared.dashboard.serve import database_of_run
+    from kiln.ops.dashboard.serve import database_of_run
 
     report = inv.Report()
     incarnations = inv.envpool_incarnations(run_dir, envpool_pids)

@@ -40,6 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.envpool.environments.cache import EnvironmentCache
+from kiln.envpool.environments.layers import BuiltEnvironment
+from kiln.envpool.environments.unpack import materialize_repository
+from kiln.ops.tasks_validate import prepare_workspace, run_tests, validate_task
 from kiln.shared.contracts import CaseStatus
 from kiln.shared.environments import (
     DirRepository,
@@ -52,11 +56,6 @@ from kiln.shared.tasks import Task, write_suite
 from kiln.shared.tasks.mutate import Mutation, Site, sites
 from kiln.shared.tasks.report import parse_test_report
 from kiln.shared.tasks.testdeps import TEST_DIRS, DirTree, is_test_path, test_dependencies
-
-from .cache import EnvironmentCache
-from .layers import BuiltEnvironment
-from .unpack import materialize_repository
-from .validate import prepare_workspace, run_tests, validate_task
 
 log = logging.getLogger(__name__)
 

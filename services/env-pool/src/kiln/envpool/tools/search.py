@@ -40,7 +40,7 @@ import numpy as np
 
 from kiln.shared.tools import GrepArgs, ToolCallError
 
-log = logging.getLogger("kiln.envpool.search")
+log = logging.getLogger("kiln.envpool.tools.search")
 
 # --- grep --------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import stat
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from kiln.envpool.overlay import (
+from kiln.envpool.workspaces.overlay import (
     OPAQUE_MARKER,
     WHITEOUT_PREFIX,
     copy_upper,
@@ -34,8 +34,8 @@ from kiln.envpool.overlay import (
     make_opaque,
     make_whiteout,
 )
-from kiln.envpool.walk import Bounds, Tally, walk
-from kiln.envpool.workspace import SKIP, Changes, record_change
+from kiln.envpool.workspaces.trees import SKIP, Changes, record_change
+from kiln.envpool.workspaces.walk import Bounds, Tally, walk
 
 
 def snapshot(upper: Path) -> tuple[bytes, str]:

@@ -26,8 +26,8 @@ from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import case, func, select
 
-from kiln.shared.dashboard.plots import Series, histogram, line_chart
-from kiln.shared.dashboard.traces import span_tree
+from kiln.ops.dashboard.plots import Series, histogram, line_chart
+from kiln.ops.dashboard.traces import span_tree
 from kiln.shared.db import Database, EvalRecord, PolicyVersion, Run, StepRecord, TaskGroup, TrajectoryRecord
 from kiln.shared.http import bearer_auth
 

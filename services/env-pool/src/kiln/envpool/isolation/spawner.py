@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("kiln.envpool.launcher")
+log = logging.getLogger("kiln.envpool.isolation.spawner")
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 FIRST_FILE_FD = 3
@@ -33,7 +33,7 @@ FIRST_FILE_FD = 3
 
 
 @dataclass
-class Child:
+class SpawnedProcess:
     pid: int
     stdout: asyncio.StreamReader
     stderr: asyncio.StreamReader
@@ -49,7 +49,7 @@ class _Pending:
     exited: asyncio.Future
 
 
-class Launcher:
+class Spawner:
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self._proc: asyncio.subprocess.Process | None = None
@@ -86,7 +86,7 @@ class Launcher:
             except OSError:
                 data = b""
             if not data:
-                self._lost("the sandbox launcher (zygote) exited")
+                self._lost("the sandbox spawner (zygote) exited")
                 return
             msg = json.loads(data)
             p = self._pending.get(msg["id"])
@@ -125,7 +125,7 @@ class Launcher:
         uid: int | None,
         gid: int | None,
         files: list[str] | None = None,
-    ) -> Child:
+    ) -> SpawnedProcess:
         """Start ``argv``; ``files`` are opened read-only in the child, as its uid, at fds 3,
         4, ... (the only fds it has beyond 0-2): a fresh open file per command, so a program
         that reads one to its end (``bwrap --seccomp``) leaves it whole for the next."""
@@ -165,7 +165,7 @@ class Launcher:
             for fd in (out_r, err_r):
                 os.close(fd)
             raise
-        return Child(pid, await _reader(loop, out_r), await _reader(loop, err_r), pending.exited)
+        return SpawnedProcess(pid, await _reader(loop, out_r), await _reader(loop, err_r), pending.exited)
 
     async def close(self) -> None:
         if self._sock is not None:

@@ -320,9 +320,9 @@ async def check_bus(
     (a nats-server of our own on a copy of it, so the run's store is left as it was).
     ``groups``: group id -> (status, reason) from the database; ``injected``: the
     markers of the malformed messages published on purpose."""
+    from kiln.ops.embedded import NatsServer
     from kiln.shared.bus import Bus
     from kiln.shared.config import NatsSettings
-    from kiln.shared.embedded import NatsServer
 
     report = report or Report()
     if not (store_dir / "jetstream").is_dir():  # a cluster's stores are per node (and replicated): not read here

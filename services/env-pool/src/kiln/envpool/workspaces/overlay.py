@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("kiln.envpool.overlay")
+log = logging.getLogger("kiln.envpool.workspaces.overlay")
 _libc = ctypes.CDLL(None, use_errno=True)
 # The new mount API: the same numbers on x86_64 and arm64.
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_MOUNT_SETATTR = (
@@ -353,7 +353,7 @@ def copy_upper(src: Path, dst: Path, uid: int = 0, gid: int = 0) -> None:
     every entry owned by ``uid``: a fork's frozen layer (root's, idmapped later) or a
     restored upper (the new sandbox's)."""
     dst.mkdir(parents=True, exist_ok=True)
-    from kiln.envpool.walk import Bounds, walk
+    from kiln.envpool.workspaces.walk import Bounds, walk
 
     for e in walk(src, Bounds(), []):  # iterative and path-bounded: a tree no host path reaches stays behind
         here = e.here

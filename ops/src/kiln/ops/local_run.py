@@ -48,7 +48,7 @@ from kiln.shared.config import (
 from kiln.shared.registry import ServiceInfo, discover
 
 
-class LauncherConfig(ServiceConfig):
+class LocalRunConfig(ServiceConfig):
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     """Embedded database choice, or the URL of an existing one."""
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
@@ -60,7 +60,7 @@ class LauncherConfig(ServiceConfig):
 
 
 @dataclass
-class Child:
+class ServiceProcess:
     name: str
     info: ServiceInfo
     proc: subprocess.Popen
@@ -98,7 +98,7 @@ class LocalPlatform:
         self.services = discover()
         if not self.services:
             raise RuntimeError("no kiln services are installed (pip install -e services/*)")
-        self.children: list[Child] = []
+        self.children: list[ServiceProcess] = []
         self.nats = None
         self.pg = None
         self.finished = asyncio.Event()
@@ -107,9 +107,9 @@ class LocalPlatform:
         self.restarts = 0
         """Service restarts during the run (printed in the summary)."""
         self.creds = None
-        """The bus's credentials (``kiln.shared.busauth``), when it is authenticated."""
+        """The bus's credentials (``kiln.shared.bus.auth``), when it is authenticated."""
 
-    def _prepare(self) -> tuple[Path, LauncherConfig]:
+    def _prepare(self) -> tuple[Path, LocalRunConfig]:
         exp = self.experiment
         run = exp.setdefault("run", {})
         run_id = run.get("id") or f"run-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
@@ -124,16 +124,16 @@ class LocalPlatform:
         self.run_dir = run_dir
         self.config_file = run_dir / "config.toml"
         self.config_file.write_text(render_toml(exp))
-        return run_dir, load_config(LauncherConfig, self.config_file)
+        return run_dir, load_config(LocalRunConfig, self.config_file)
 
-    def _start_infra(self, cfg: LauncherConfig) -> None:
+    def _start_infra(self, cfg: LocalRunConfig) -> None:
+        from kiln.ops.embedded import NatsCluster, NatsServer, PostgresServer, postgres_bindir
         from kiln.shared.db import upgrade
-        from kiln.shared.embedded import NatsCluster, NatsServer, PostgresServer, postgres_bindir
 
         if cfg.local.embedded_nats:
             conf = None
             if cfg.local.authenticated_bus:
-                from kiln.shared.busauth import Credentials, server_config
+                from kiln.shared.bus.auth import Credentials, server_config
 
                 self.creds = Credentials.generate(list(self.services))
                 conf = self.run_dir / "nats" / "auth.conf"
@@ -167,7 +167,7 @@ class LocalPlatform:
         upgrade(db["url"])
         self.config_file.write_text(render_toml(self.experiment))
 
-    def _spawn(self, cfg: LauncherConfig) -> None:
+    def _spawn(self, cfg: LocalRunConfig) -> None:
         for info in self.services.values():
             load_config(info.config_class(), self.config_file)  # fail before starting anything
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KILN_CONFIG": str(self.config_file)}
@@ -190,7 +190,7 @@ class LocalPlatform:
                 label,
                 *extra,
             ]
-            self.children.append(Child(label, info, spawn(argv, env, log), log, argv, env))
+            self.children.append(ServiceProcess(label, info, spawn(argv, env, log), log, argv, env))
         _say("services: " + ", ".join(ch.name for ch in self.children) + f" (logs in {self.run_dir / 'logs'})")
 
     async def _watch(self, bus: Bus, run_id: str, steps: int) -> None:
@@ -227,7 +227,7 @@ class LocalPlatform:
         await bus.watch(c.STEP_METRICS, c.StepMetrics, on_metrics, deliver="new")
         await bus.watch(c.RUN_EVENTS, c.RunEvent, on_event, deliver="new")
 
-    async def _supervise(self, cfg: LauncherConfig) -> None:
+    async def _supervise(self, cfg: LocalRunConfig) -> None:
         """Until the run ends: restart what dies (services with backoff, a nats-server or
         cluster node at once on its port and store), fail on a crash loop or the timeout."""
         deadline = time.monotonic() + cfg.local.timeout_s
@@ -270,7 +270,7 @@ class LocalPlatform:
             except TimeoutError:
                 pass
 
-    def _restart(self, ch: Child, cfg: LauncherConfig) -> str | None:
+    def _restart(self, ch: ServiceProcess, cfg: LocalRunConfig) -> str | None:
         """Schedule ``ch``'s restart; the run's failure instead when it crash-loops."""
         now = time.monotonic()
         local = cfg.local
@@ -319,16 +319,16 @@ class LocalPlatform:
         dashboard, dashboard_stop = None, asyncio.Event()
         try:
             self._start_infra(cfg)
-            cfg = load_config(LauncherConfig, self.config_file)
+            cfg = load_config(LocalRunConfig, self.config_file)
             if self.creds is not None:
-                from kiln.shared.busauth import ADMIN
+                from kiln.shared.bus.auth import ADMIN
 
                 cfg.nats.user, cfg.nats.password = ADMIN, self.creds.users[ADMIN]
             bus = await Bus.connect(cfg.nats, "launcher")
             await bus.ensure_topology()
             await self._watch(bus, cfg.run.id, cfg.algorithm.steps)
             if cfg.local.dashboard:
-                from kiln.shared.dashboard.serve import serve_dashboard
+                from kiln.ops.dashboard.serve import serve_dashboard
 
                 url, dashboard = await serve_dashboard(
                     cfg.database.url,
@@ -371,7 +371,7 @@ class LocalPlatform:
         print(summary, flush=True)
         return 0
 
-    async def _run_status(self, cfg: LauncherConfig) -> tuple[str | None, str]:
+    async def _run_status(self, cfg: LocalRunConfig) -> tuple[str | None, str]:
         from kiln.shared.db import Database, Run
 
         db = Database(cfg.database.url)
@@ -382,7 +382,7 @@ class LocalPlatform:
         finally:
             await db.close()
 
-    async def _mark_failed(self, cfg: LauncherConfig, why: str) -> None:
+    async def _mark_failed(self, cfg: LocalRunConfig, why: str) -> None:
         from sqlalchemy import update
 
         from kiln.shared.db import Database, Run
@@ -400,7 +400,7 @@ class LocalPlatform:
         finally:
             await db.close()
 
-    async def _summary(self, cfg: LauncherConfig) -> str:
+    async def _summary(self, cfg: LocalRunConfig) -> str:
         from sqlalchemy import func, select
 
         from kiln.shared.db import Database, EvalRecord, PolicyVersion, TaskGroup

@@ -104,8 +104,8 @@ def _stop(children: list, grace: float = 15.0) -> None:
 
 
 def run_eval(run_dir: str, versions: list[int] | None, overrides: list[str]) -> int:
-    from kiln.shared.dashboard.serve import database_of_run
-    from kiln.shared.embedded import NatsServer
+    from kiln.ops.dashboard.serve import database_of_run
+    from kiln.ops.embedded import NatsServer
 
     run_dir_p = Path(run_dir).resolve()
     db_url, pg = database_of_run(run_dir_p)

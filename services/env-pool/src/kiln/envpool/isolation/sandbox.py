@@ -11,8 +11,8 @@ long for execve (or holding a NUL) is refused with exit code 126 and a note, not
 The quota's usage walk and the removal of a workspace are bounded whatever the tree
 holds (``walk.py``: any depth, any path length).
 
-Processes start through the node's ``Launcher`` (a zygote that joins the cgroup, sets
-the rlimits and drops the uid between fork and exec, see ``launcher.py``).
+Processes start through the node's ``Spawner`` (a zygote that joins the cgroup, sets
+the rlimits and drops the uid between fork and exec, see ``spawner.py``).
 
 Invariant: when ``run`` returns, no process of the sandbox is left running, so the
 host-side file tools never race a sandboxed process (no check-then-use window).
@@ -35,9 +35,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.envpool.cgroups import Cgroup
-from kiln.envpool.launcher import Launcher
-from kiln.envpool.walk import remove_tree, usage
+from kiln.envpool.isolation.cgroups import Cgroup
+from kiln.envpool.isolation.spawner import Spawner
+from kiln.envpool.workspaces.walk import remove_tree, usage
 from kiln.shared.contracts import ExecResult
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -81,10 +81,10 @@ class Sandbox(ABC):
         limits: Limits,
         identity: Identity,
         cgroup: Cgroup | None,
-        launcher: Launcher,
+        spawner: Spawner,
     ):
         self.id = sandbox_id
-        self.launcher = launcher
+        self.spawner = spawner
         self.workspace = workspace
         self.limits = limits
         self.identity = identity
@@ -157,14 +157,14 @@ async def spawn(
     files: list[str] | None = None,
 ) -> ExecResult:
     """Run ``argv`` under ``sb``'s limits; the whole process tree is gone when this returns.
-    ``files`` are opened (read-only) for the command at fds 3, 4, ... (``Launcher.spawn``)."""
+    ``files`` are opened (read-only) for the command at fds 3, 4, ... (``Spawner.spawn``)."""
     if sb.over_quota:
         return ExecResult(
             exit_code=-1, stdout="", stderr=_quota_note(sb), timed_out=False, duration_s=0.0, truncated=False
         )
     size = max(len(a.encode(errors="surrogateescape")) for a in argv)
     if size >= MAX_ARG_BYTES or "\0" in "".join(argv):
-        # execve refuses an argument past MAX_ARG_STRLEN, and the launcher's message has a size
+        # execve refuses an argument past MAX_ARG_STRLEN, and the spawner's message has a size
         # limit too: the caller's command, refused as an observation, never a node failure.
         why = (
             f"{size} bytes, more than the {MAX_ARG_BYTES - 1} one command may hold"
@@ -181,7 +181,7 @@ async def spawn(
         )
     t0 = time.monotonic()
     try:
-        child = await sb.launcher.spawn(
+        child = await sb.spawner.spawn(
             [_absolute(argv[0]), *argv[1:]],
             env=env,
             cwd=str(cwd) if cwd else None,

@@ -21,7 +21,7 @@ def database_of_run(run_dir: Path):
     if url.startswith("sqlite"):
         return url, None
     if (run_dir / "db" / "pg").is_dir():
-        from kiln.shared.embedded import PostgresServer
+        from kiln.ops.embedded import PostgresServer
 
         pg = PostgresServer(run_dir / "db" / "pg").start()
         return pg.url, pg
@@ -40,7 +40,7 @@ async def serve_dashboard(
     traces_dir: Path | None = None,
     title: str = "kiln",
 ) -> tuple[str, asyncio.Task]:
-    from kiln.shared.dashboard.app import create_app
+    from kiln.ops.dashboard.app import create_app
 
     db = Database(db_url)
     url, task = await serve_http(

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("kiln.envpool.cgroups")
+log = logging.getLogger("kiln.envpool.isolation.cgroups")
 
 ROOT = Path("/sys/fs/cgroup")
 

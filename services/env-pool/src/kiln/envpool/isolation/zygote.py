@@ -1,6 +1,6 @@
-"""The sandbox launcher's child side: a tiny process that forks sandbox commands.
+"""The sandbox spawner's child side: a tiny process that forks sandbox commands.
 
-Run as ``python -I -S zygote.py FD`` by ``launcher.py``: standard library only, so it
+Run as ``python -I -S zygote.py FD`` by ``spawner.py``: standard library only, so it
 stays a few MB and a fork of it is cheap (a fork of env-pool, with its imports and
 heap, cost several times more). For each request it forks; the child joins the
 sandbox's cgroups, takes its rlimits, drops to its uid and gid, wires the given pipes
@@ -55,7 +55,7 @@ def child(req, fds):
         os.execve(req["argv"][0], req["argv"], req["env"])
     except BaseException as e:  # report through stderr: the parent sees exit 127 and why
         try:
-            os.write(2, f"sandbox launcher: {type(e).__name__}: {e}\n".encode())
+            os.write(2, f"sandbox spawner: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(127)
 
