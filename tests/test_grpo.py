@@ -364,13 +364,13 @@ def test_trainer_keeps_infra_errors_out_of_advantages_and_passes_the_version():
     async def noop(*args, **kwargs):
         pass
 
-    controller = SimpleNamespace(
-        published_version=2,
-        dropped_since_step=0,
+    controller = SimpleNamespace(  # the trainer's view of it: kiln.learner.ledger.TrainerLedger
+        last_published=lambda: 2,
+        take_step_drops=lambda: 0,
+        staleness_limit=lambda: 0,
         mark_trained=noop,
-        step_recorded=lambda v: None,
+        step_finished=noop,
         drop=noop,
-        record_step=noop,
     )
     meter = MeterProvider().get_meter("test")
     ctx = SimpleNamespace(

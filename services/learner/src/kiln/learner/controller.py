@@ -1,8 +1,14 @@
 """The controller: the one place that decides what work exists.
 
-It dispatches groups, drops the ones that can no longer train, and ends the run.
+It dispatches groups, drops the ones that can no longer train, and ends the run: it is
+the only place that does (``finish_run``), and the run's result is its ``RunOutcome``.
+The trainer sees it only through ``kiln.learner.ledger.TrainerLedger``.
 
 Invariants:
+- the run ends once, here: when version ``algorithm.steps`` is published (after the
+  trainer has finished the step that produced it, and its evaluation), when more groups
+  failed than ``learner.max_dropped_groups``, or when a drop leaves no task to dispatch;
+  ``outcome`` says which (``running`` until then), and nothing is dispatched after it;
 - every dispatched group ends exactly once, as ``trained`` (with the version its step
   produced) or ``dropped`` with a reason (``stale``, ``infra_error``, ``deadline``,
   ``run_finished``, ``no_signal``), or is still in flight; the row is written before the request is
@@ -32,12 +38,15 @@ import logging
 import math
 import random
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 
 from opentelemetry.context import Context
 from sqlalchemy import select, update
 
 from kiln.learner.config import LearnerConfig
+from kiln.learner.ledger import NO_SIGNAL
 from kiln.shared import contracts as c
 from kiln.shared.db import Database, Run, StepRecord, TaskGroup, TrajectoryRecord
 from kiln.shared.evaluation import EvalCollector
@@ -47,10 +56,25 @@ from kiln.shared.telemetry import traceparent
 
 log = logging.getLogger("kiln.learner.controller")
 
-NO_SIGNAL = "no_signal"
-"""Drop reason of a complete group whose samples all scored alike (dynamic sampling,
-``algorithm.uniform_group_retries``): filtered on purpose, so not a failure that counts
-against ``learner.max_dropped_groups``."""
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How the run stands: ``running`` until the controller ends it, then once and for
+    all ``finished`` or ``failed`` (``detail``: why), at ``version``, the newest
+    version published when it ended (-1: none)."""
+
+    status: Literal["running", "finished", "failed"] = "running"
+    detail: str = ""
+    version: int = -1
+
+    @property
+    def ended(self) -> bool:
+        return self.status != "running"
+
+    @property
+    def ok(self) -> bool:
+        """The run ended as finished (not failed, and not still running)."""
+        return self.status == "finished"
 
 
 def _utc(t: datetime) -> datetime:
@@ -72,7 +96,8 @@ class Controller:
         self.dropped = 0
         self.filtered = 0
         """Of ``dropped``, the ``no_signal`` ones."""
-        self.dropped_since_step = 0
+        self._dropped_since_step = 0
+        """Drops since the trainer last took the count (``take_step_drops``)."""
         self.trained = 0
         self.inflight: dict[str, c.RolloutRequest] = {}
         self.training: set[str] = set()
@@ -81,7 +106,7 @@ class Controller:
         self.finished = asyncio.Event()
         self.closing = False
         """Set (under the lock) once the run ends: nothing is dispatched after it."""
-        self.outcome: tuple[str, str] = ("running", "")
+        self.outcome = RunOutcome()
         self._lock = asyncio.Lock()
         self._recorded: dict[int, asyncio.Event] = {0: asyncio.Event()}
         self._recorded[0].set()
@@ -141,7 +166,7 @@ class Controller:
     def set_aside(self, task_id: str, reason: str) -> None:
         """The task's environment cannot be built: dispatch none of its tasks again this run
         (recorded once; a build is never retried in a loop). With nothing left to dispatch,
-        ``refill`` does nothing and the learner ends the run as failed."""
+        ``refill`` does nothing and the next drop (this group's) ends the run as failed."""
         env = self.suite.get(task_id).environment
         if env is None or env in self.set_aside_envs:
             return
@@ -155,7 +180,7 @@ class Controller:
         )
         self.tasks = left
 
-    async def finish_run(self, status: str = "finished", detail: str = "") -> None:
+    async def finish_run(self, status: Literal["finished", "failed"] = "finished", detail: str = "") -> None:
         async with self._lock:
             # Under the lock, before the in-flight groups end: a refill waiting for the lock
             # (a drop's) must not dispatch a group after them that nothing would ever end,
@@ -163,7 +188,7 @@ class Controller:
             if self.closing:
                 return
             self.closing = True
-            self.outcome = (status, detail)
+            self.outcome = RunOutcome(status, detail, self.published_version)
             for gid in list(self.inflight):
                 await self._end(gid, "dropped", reason="run_finished", detail="the run ended before this group trained")
         async with self.db.session() as s:
@@ -204,9 +229,36 @@ class Controller:
         else:
             await self.refill()
 
-    def step_recorded(self, version: int) -> None:
-        """The trainer has stamped and acked everything the step producing ``version`` used."""
+    async def step_finished(self, version: int, metrics: c.StepMetrics | None, *, resumed: bool = False) -> None:
+        """The trainer has stamped and acked everything the step producing ``version``
+        used: write the step's row (``metrics``; None: a resumed step without one),
+        publish its metrics (not again for a ``resumed`` step), and only then let the last
+        version end the run (``on_published`` waits for this)."""
+        if metrics is not None:
+            await self._record_step(metrics)
+            if not resumed:
+                await self.ctx.bus.publish(c.STEP_METRICS, metrics)
         self._recorded.setdefault(version, asyncio.Event()).set()
+
+    # --- what the trainer asks --------------------------------------------------
+
+    def group_size(self, group_id: str) -> int | None:
+        req = self.inflight.get(group_id)
+        return None if req is None else req.n_samples
+
+    def staleness_limit(self) -> int:
+        a = self.cfg.algorithm
+        return 0 if a.mode == "sync" else a.max_staleness
+
+    def last_published(self) -> int:
+        return self.published_version
+
+    def take_step_drops(self) -> int:
+        """The groups dropped since the last call (the previous step's), and the next
+        count starts now: taken and reset together, so whenever the trainer takes it no
+        drop is counted twice or lost."""
+        n, self._dropped_since_step = self._dropped_since_step, 0
+        return n
 
     async def refill(self) -> None:
         a = self.cfg.algorithm
@@ -219,13 +271,12 @@ class Controller:
                 while len(self.inflight) - len(self.training) < target and self.dispatched - self.dropped < total:
                     await self._dispatch()
                 return
-            staleness = 0 if a.mode == "sync" else a.max_staleness
-            horizon = min(a.steps, self.published_version + staleness + 1)
+            horizon = min(a.steps, self.published_version + self.staleness_limit() + 1)
             allowed = horizon * a.groups_per_step + self.dropped
             while self.dispatched < allowed:
                 await self._dispatch()
 
-    async def signal_abort(self, version: int, batch: list[str]) -> None:
+    async def batch_full(self, version: int, batch: list[str]) -> None:
         """The batch that makes ``version`` is full: suspend what rollout is generating.
         Where april overlaps (``AlgorithmSettings.april_overlaps``) the batch's groups stop
         counting against the groups kept in flight, so the next batch's groups are
@@ -281,9 +332,6 @@ class Controller:
         self.ctx.metrics.in_flight.set(len(self.inflight))
         await self.ctx.bus.publish(c.ROLLOUT_WORK, req, msg_id=gid)
 
-    def is_inflight(self, group_id: str) -> bool:
-        return group_id in self.inflight
-
     async def drop(self, group_id: str, reason: str, detail: str = "") -> None:
         async with self._lock:
             await self._end(group_id, "dropped", reason=reason, detail=detail)
@@ -292,6 +340,10 @@ class Controller:
             await self.finish_run(
                 "failed", f"{failed} groups dropped (limit {limit}); the last: {reason}: {detail}"[:2000]
             )
+            return
+        if not self.tasks:  # every environment set aside: nothing can replace this group
+            why = "; ".join(f"{e}: {r}" for e, r in self.set_aside_envs.items())
+            await self.finish_run("failed", f"no task left to dispatch: environments cannot be built ({why})")
             return
         await self.refill()
 
@@ -304,7 +356,6 @@ class Controller:
                 if resumed and gid not in self.inflight:
                     continue
                 await self._end(gid, "trained", trained_version=version)
-            self.dropped_since_step = 0
         async with self.db.session() as s:
             await s.execute(
                 update(TrajectoryRecord)
@@ -312,7 +363,7 @@ class Controller:
                 .values(trained_version=version)
             )
 
-    async def record_step(self, m: c.StepMetrics) -> None:
+    async def _record_step(self, m: c.StepMetrics) -> None:
         """The step's metrics as its ``steps`` row; merged, so a resumed learner that
         redoes a step overwrites the row rather than failing on it."""
         async with self.db.session() as s:
@@ -358,7 +409,7 @@ class Controller:
             self.ctx.metrics.dropped.add(1, {"reason": reason or ""})
             self.dropped += 1
             self.filtered += reason == NO_SIGNAL
-            self.dropped_since_step += 1
+            self._dropped_since_step += 1
             log.warning("dropped group %s: %s %s", group_id, reason, detail)
             await self.ctx.bus.publish(
                 c.GROUP_DROPPED,

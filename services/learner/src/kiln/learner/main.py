@@ -3,15 +3,18 @@
 Starts the run (its database row), trains the tokenizer and initial policy and hands
 version 0 to the weights service (or, when the run has a learner checkpoint, restores
 the whole state and takes the run up where it stopped; on a multi-rank world this is
-rank 0, and ranks 1.. run ``follower``: under torchrun as processes of their own,
+rank 0, and ranks 1.. run ``kiln.learner.follower``: under torchrun as processes of their own,
 with ``learner.launcher = "ray"`` as Ray actors this process starts), then reacts: every published version lets the
-controller dispatch more groups, every scored trajectory goes to the trainer, and the
-run ends when version ``algorithm.steps`` is published.
+controller dispatch more groups, every scored trajectory goes to the trainer.
+
+Invariants: the controller alone ends the run (``Controller.finish_run``; the trainer
+reports to it through ``TrainerLedger``), and this entrypoint only waits for that, or
+for a stop, and reads ``controller.outcome`` (a ``RunOutcome``): a failed run fails the
+service. Nothing in the learner imports this module (no import cycle).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -22,12 +25,15 @@ from nats.js.errors import NotFoundError
 
 from kiln.learner.config import LearnerConfig
 from kiln.learner.controller import Controller
+
+# Ray pickles a function of an importable module by reference, one of ``__main__`` by
+# value: the followers it starts are ``kiln.learner.follower.follower``, never this file's.
+from kiln.learner.follower import follower, follower_main
 from kiln.learner.policy import Policy
 from kiln.learner.state import Checkpointer, checkpoint_root
 from kiln.learner.trainer import Trainer
-from kiln.learner.world import dims_of, follow, join, start_ray_ranks
+from kiln.learner.world import dims_of, join, start_ray_ranks
 from kiln.shared import contracts as c
-from kiln.shared.config import load_config
 from kiln.shared.db import Database
 from kiln.shared.evaluation import EvalCollector
 from kiln.shared.service import ServiceContext, service_main, wait_or_stop
@@ -52,7 +58,7 @@ async def serve(ctx: ServiceContext) -> None:
         checkpointer = Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep)
         meta = checkpointer.latest() if cfg.learner.resume else None
         if cfg.learner.launcher == "ray" and dims_of(cfg).world > 1:
-            ray_ranks = await asyncio.to_thread(start_ray_ranks, cfg)
+            ray_ranks = await asyncio.to_thread(start_ray_ranks, cfg, follower)
             watch_ranks = asyncio.create_task(_watch_ray_ranks(ctx, ray_ranks))
         world = await asyncio.to_thread(join, cfg)
         policy = await asyncio.to_thread(Policy, cfg, suite, world)
@@ -118,8 +124,8 @@ async def serve(ctx: ServiceContext) -> None:
             log.info(
                 "stopped before the run finished (version %d of %d)", controller.published_version, cfg.algorithm.steps
             )
-        elif controller.outcome[0] == "failed":
-            raise RuntimeError(f"run {cfg.run.id} failed: {controller.outcome[1]}")
+        elif not controller.outcome.ok:
+            raise RuntimeError(f"run {cfg.run.id} failed: {controller.outcome.detail}")
     finally:
         if world is not None:
             try:
@@ -140,28 +146,6 @@ async def _watch_ray_ranks(ctx: ServiceContext, ranks) -> None:
     done, _ = await asyncio.wait([asyncio.wrap_future(f) for f in ranks.futures()], return_when=asyncio.FIRST_COMPLETED)
     for fut in done:
         ctx.fail(f"a Ray rank of the learner ended early: {fut.exception() or 'returned'}")
-
-
-def follower_main(argv: list[str]) -> None:
-    """Ranks 1..N-1 of a torchrun-launched learner: their settings from the command line."""
-    p = argparse.ArgumentParser(prog="kiln-learner (follower rank)")
-    p.add_argument("--config")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--instance")
-    args = p.parse_args(argv)
-    follower(load_config(LearnerConfig, args.config, args.overrides))
-
-
-def follower(cfg: LearnerConfig) -> None:
-    """Ranks 1..N-1 of a multi-rank learner: no bus, no database; rank 0 drives them."""
-    logging.basicConfig(
-        level=cfg.telemetry.log_level,
-        format=f"%(asctime)s %(levelname)s learner-rank{os.environ['RANK']} %(name)s: %(message)s",
-    )
-    world = join(cfg)
-    policy = Policy(cfg, load_suite(cfg.tasks.suite), world)
-    follow(world, policy, Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep))
-    dist.destroy_process_group()
 
 
 def main() -> None:

@@ -1,5 +1,10 @@
 """The learner loop: group scored trajectories, train when a batch is full, publish.
 
+The trainer holds the controller only as a ``TrainerLedger`` (``ledger.py``): it asks
+it which groups are in flight and how stale a group may be, and tells it drops,
+set-aside environments and finished steps. It never ends the run: the controller
+decides that from what it is told.
+
 Invariants:
 - a scored trajectory's message stays unacked (held, heartbeated) until the step that
   trained it has handed its checkpoint to the weights stream, or until its group was
@@ -33,8 +38,8 @@ from pathlib import Path
 from opentelemetry import trace
 
 from kiln.learner.config import LearnerConfig
-from kiln.learner.controller import NO_SIGNAL, Controller
 from kiln.learner.grpo import group_advantages
+from kiln.learner.ledger import NO_SIGNAL, TrainerLedger
 from kiln.learner.policy import Policy
 from kiln.learner.state import Checkpointer, Meta
 from kiln.shared import contracts as c
@@ -48,7 +53,7 @@ log = logging.getLogger("kiln.learner.trainer")
 
 class Trainer:
     def __init__(
-        self, ctx: ServiceContext, controller: Controller, policy: Policy, checkpointer: Checkpointer | None = None
+        self, ctx: ServiceContext, controller: TrainerLedger, policy: Policy, checkpointer: Checkpointer | None = None
     ):
         self.ctx = ctx
         self.cfg: LearnerConfig = ctx.config  # type: ignore[assignment]
@@ -79,9 +84,9 @@ class Trainer:
             return
         await self._hand_over(meta.version, parent=meta.version - 1)
         await self.controller.mark_trained(meta.trained_groups, meta.trained_trajectories, meta.version, resumed=True)
-        if meta.metrics:  # its ``steps`` row, in case the learner died before writing it (merged: written once)
-            await self.controller.record_step(c.StepMetrics.model_validate(meta.metrics))
-        self.controller.step_recorded(meta.version)
+        # Its ``steps`` row, in case the learner died before writing it (merged: written once).
+        metrics = c.StepMetrics.model_validate(meta.metrics) if meta.metrics else None
+        await self.controller.step_finished(meta.version, metrics, resumed=True)
 
     async def _hand_over(self, version: int, parent: int | None, committed=None) -> None:
         """Stage ``version`` and publish it; ``committed`` (blocking) runs between the two."""
@@ -91,7 +96,7 @@ class Trainer:
         # Staged versions the weights service has already published are its now.
         if run_staging.is_dir():
             for old in run_staging.iterdir():
-                if old.name[1:].isdigit() and int(old.name[1:]) < self.controller.published_version:
+                if old.name[1:].isdigit() and int(old.name[1:]) < self.controller.last_published():
                     shutil.rmtree(old, ignore_errors=True)
         await asyncio.to_thread(self.policy.stage, folder)
         # Hashed here, where the bytes were made: the weights service does not hash again.
@@ -127,7 +132,8 @@ class Trainer:
 
     async def _add(self, scored: c.ScoredTrajectory, delivery: Delivery) -> None:
         t = scored.trajectory
-        if t.run_id != self.cfg.run.id or not self.controller.is_inflight(t.group_id):
+        size = self.controller.group_size(t.group_id) if t.run_id == self.cfg.run.id else None
+        if size is None:
             # Another run's, or a late sample of a group that already ended (dropped).
             log.info("ignoring %s: its group is not in flight", t.trajectory_id)
             return
@@ -137,13 +143,13 @@ class Trainer:
         group[t.trajectory_id] = (scored, delivery)
         if old is not None:  # a redelivery of a message we hold: keep the newest handle
             await old[1].ack()
-        if len(group) < self.controller.inflight[t.group_id].n_samples or t.group_id in self.ready:
+        if len(group) < size or t.group_id in self.ready:
             return
         await self._group_complete(t.group_id)
         # Over-provisioned groups still finish after the last step: they wait, and the
         # run's end drops them (``run_finished``), rather than train a version past ``steps``.
         if len(self.ready) >= self.cfg.algorithm.groups_per_step and self.step < self.cfg.algorithm.steps:
-            await self.controller.signal_abort(self.step + 1, self.ready[: self.cfg.algorithm.groups_per_step])
+            await self.controller.batch_full(self.step + 1, self.ready[: self.cfg.algorithm.groups_per_step])
             await self._train()
 
     async def on_abandoned(self, msg: c.GroupAbandoned) -> None:
@@ -151,7 +157,7 @@ class Trainer:
         async with self._lock:
             if (
                 msg.run_id == self.cfg.run.id
-                and self.controller.is_inflight(msg.group_id)
+                and self.controller.group_size(msg.group_id) is not None
                 and msg.group_id not in self.ready
             ):
                 await self._drop(msg.group_id, msg.reason, msg.detail)
@@ -163,12 +169,8 @@ class Trainer:
             broken = next((s for s in samples if s.trajectory.infra_code == c.ENVIRONMENT_ERROR), None)
             if broken is not None:  # before the drop: the group that replaces this one must not need it
                 self.controller.set_aside(broken.trajectory.task_id, broken.infra_error or "")
+            # With every environment set aside, the controller ends the run on this drop.
             await self._drop(gid, "infra_error", f"all {len(samples)} samples failed: {samples[0].infra_error}")
-            if not self.controller.tasks:
-                why = "; ".join(f"{e}: {r}" for e, r in self.controller.set_aside_envs.items())
-                await self.controller.finish_run(
-                    "failed", f"no task left to dispatch: environments cannot be built ({why})"
-                )
             return
         if await self._drop_if_stale(gid):
             return
@@ -197,8 +199,7 @@ class Trainer:
         inst.off_policy.add(m.off_policy_tokens)
 
     async def _drop_if_stale(self, gid: str) -> bool:
-        a = self.cfg.algorithm
-        limit = 0 if a.mode == "sync" else a.max_staleness
+        limit = self.controller.staleness_limit()
         versions = [
             v for s, _ in self.pending[gid].values() if not s.infra_error for v in s.trajectory.generated_versions()
         ]
@@ -249,7 +250,7 @@ class Trainer:
         ):
             stats = await asyncio.to_thread(self.policy.train_step, batch, self.step)
             self.step += 1
-            dropped = self.controller.dropped_since_step  # read before mark_trained starts the next count
+            dropped = self.controller.take_step_drops()
             metrics = c.StepMetrics(
                 run_id=self.cfg.run.id,
                 step=self.step - 1,
@@ -296,10 +297,8 @@ class Trainer:
         await self.controller.mark_trained(groups, [s.trajectory.trajectory_id for s, _ in used], version)
         for _, d in used:
             await d.ack()
-        await self.controller.record_step(metrics)
         self._export(metrics, staleness)
-        await self.ctx.bus.publish(c.STEP_METRICS, metrics)
-        self.controller.step_recorded(version)
+        await self.controller.step_finished(version, metrics)
         log.info(
             "step %d -> version %d: %d trajectories, reward %.3f, pass %.2f, loss %.4f (%.2fs, waited %.2fs)",
             metrics.step,

@@ -9,9 +9,11 @@ the others with commands broadcast on a gloo control group: ``step`` (the padded
 tensors), ``checkpoint`` (save the whole state, each rank its shards), ``stage`` (gather
 the full parameters for a version folder) and ``stop``.
 
-Invariant: every collective the policy runs is entered by all ranks in the same order,
+Invariants: every collective the policy runs is entered by all ranks in the same order,
 because rank 0 announces each one before entering it and followers do nothing else; a
-follower whose rank 0 died is ended by torchrun (it tears down the whole group).
+follower whose rank 0 died is ended by torchrun (it tears down the whole group). This
+module imports neither the entrypoint (``main``) nor the followers' (``follower``):
+``start_ray_ranks`` is handed the function the ranks run.
 """
 
 from __future__ import annotations
@@ -91,18 +93,16 @@ def follow(world: World, policy, checkpointer) -> None:
             raise RuntimeError(f"unknown learner command {kind!r}")
 
 
-def start_ray_ranks(cfg):
+def start_ray_ranks(cfg, follower):
     """Rank 0 of a Ray-launched world: connect to the cluster at ``learner.ray_address``
-    and start ``kiln.learner.main.follower(cfg)`` on ranks 1.. (``kiln.learner.launch.ray_followers``).
-    The followers get the resolved settings without the bus and database credentials,
-    which only rank 0 uses."""
+    and start ``follower(cfg)`` (``kiln.learner.follower.follower``) on ranks 1..
+    (``kiln.learner.launch.ray_followers``). The followers get the resolved settings
+    without the bus and database credentials, which only rank 0 uses. ``follower`` must
+    be a function of an importable module, not of ``__main__``: Ray pickles the one by
+    reference, the other by value."""
     import ray
 
     from kiln.learner.launch import ray_followers
-
-    # Imported by its name, not taken from the running ``__main__``: Ray pickles a
-    # function of an importable module by reference, one of ``__main__`` by value.
-    from kiln.learner.main import follower
 
     lc = cfg.learner
     if not ray.is_initialized():
