@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from harness import wait_for
 
+from kiln.envpool.tools.grep import grep
 from kiln.envpool.tools.search import (
     MAX_HIT_CHARS,
     Chunk,
@@ -23,7 +24,6 @@ from kiln.envpool.tools.search import (
     chunk_file,
     code_tokens,
     format_hits,
-    grep,
     load_packaged_model,
 )
 from kiln.shared.tools import GrepArgs, ToolCallError

@@ -27,7 +27,7 @@ from pathlib import Path
 from opentelemetry import trace
 
 from kiln.envpool.isolation.sandbox import Sandbox
-from kiln.envpool.tools import search
+from kiln.envpool.tools import grep, search
 from kiln.shared.contracts import ToolCall, ToolResult
 from kiln.shared.tools import (
     READ_ONLY_TOOLS,
@@ -228,7 +228,7 @@ class ToolExecutor:
         target = self._resolve(sandbox, a.path)
         if not target.exists():
             raise ToolCallError(f"{a.path}: no such file or directory")
-        return await search.grep(sandbox.workspace.resolve(), target, a, max_matches=self.grep_max_matches)
+        return await grep.grep(sandbox.workspace.resolve(), target, a, max_matches=self.grep_max_matches)
 
     async def _semantic_search(self, sandbox: Sandbox, a: SemanticSearchArgs) -> str:
         method, hits = await self.index.search(sandbox.workspace.resolve(), a.query, a.k)
