@@ -9,7 +9,7 @@ and publishes a ``ScoredTrajectory`` for the learner.
 from __future__ import annotations
 
 from kiln.reward.config import RewardConfig
-from kiln.reward.service import Scorer
+from kiln.reward.scorer import Scorer
 from kiln.shared import contracts as c
 from kiln.shared.db import Database
 from kiln.shared.service import ServiceContext, service_main
