@@ -11,9 +11,10 @@ import time
 from opentelemetry import trace
 
 from kiln.learner.policy import tokenizer_corpus
-from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
+from kiln.rollout.agent import run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
+from kiln.rollout.lifecycle import EpisodeSpec, Stale
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.model.tokenizer import train_tokenizer

@@ -19,12 +19,12 @@ import openai
 import pytest
 from test_agent import TASK, TOK, ScriptedEngine, request, tool_call
 
-from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation
 from kiln.rollout.episode import Budget, Episode
 from kiln.rollout.harness.runners import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
+from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.http import serve_http
@@ -287,13 +287,20 @@ def spec(deadline_s: float = 60) -> EpisodeSpec:
     )
 
 
-async def run(envpool, engine, harness: HarnessSettings, deadline_s: float = 60) -> c.Trajectory:
+async def run(envpool, engine, harness: HarnessSettings, deadline_s: float = 60, **settings) -> c.Trajectory:
     stop = asyncio.Event()
     ep = Endpoint("m", envpool)
     url, task = await serve_http(ep.app, "127.0.0.1", 0, "", stop)
     try:
         return await run_harness_episode(
-            spec(deadline_s), engine, TOK, envpool, RolloutSettings(harness=harness), ep, url, lambda: asyncio.sleep(0)
+            spec(deadline_s),
+            engine,
+            TOK,
+            envpool,
+            RolloutSettings(harness=harness, **settings),
+            ep,
+            url,
+            lambda: asyncio.sleep(0),
         )
     finally:
         await ep.close()
@@ -327,6 +334,40 @@ async def test_command_harness_uses_the_bridge(envpool):
     assert t.finish_reason == "harness_done", t.harness_log
     assert "On it." in t.harness_log and "a + b" in t.harness_log
     assert t.final_diff.changed == {"calc.py": "def add(a, b):\n    return a + b\n"}
+    await envpool.destroy(t.sandbox)
+
+
+SEEN: dict = {}
+
+
+async def past_the_context(task, client, sandbox):
+    """A Python harness that asks with a prompt longer than the episode's context, then
+    with a short one and room for more tokens than the context has left."""
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 200}])
+    except openai.BadRequestError as e:
+        SEEN["refused"] = e.code
+    r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=500)
+    SEEN["finish"], SEEN["usage"] = r.choices[0].finish_reason, r.usage
+
+
+async def test_the_harness_path_honours_max_context_tokens(envpool):
+    """``max_total_tokens`` bounds each call's context for an external harness as it does
+    for kiln's own loop: a prompt that fills it is refused and recorded nowhere, and a
+    completion stops where prompt plus completion would pass it (the generation budget,
+    the same number, would have let it run on)."""
+    limit = 48
+    SEEN.clear()
+    engine = Scripted(["word " * 100])
+    harness = HarnessSettings(kind="python", entry="test_harness:past_the_context")
+    t = await run(envpool, engine, harness, max_total_tokens=limit, max_new_tokens=500)
+    assert t.status == c.TrajectoryStatus.FINISHED and t.finish_reason == "harness_done", t.harness_log
+    assert SEEN["refused"] == "context_length_exceeded"
+    usage = SEEN["usage"]
+    assert SEEN["finish"] == "length" and usage.total_tokens < limit and usage.completion_tokens < limit - 1
+    assert len(engine.prompts) == 1 and len(engine.prompts[0]) == usage.prompt_tokens  # the refused call never ran
+    assert len(t.token_ids) < limit and not t.segments  # nor is any of it in the trajectory
+    assert sum(t.loss_mask) == usage.completion_tokens
     await envpool.destroy(t.sandbox)
 
 

@@ -14,9 +14,10 @@ from opentelemetry import trace
 
 from kiln.learner.policy import tokenizer_corpus
 from kiln.learner.sft import demonstration, encode, expert_edit, prose_fix_demonstration, warm_start, wrong_target_edit
-from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.agent import run_episode
 from kiln.rollout.config import RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine, TorchEngine
+from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.shared import chat
 from kiln.shared import contracts as c
 from kiln.shared.model import MoEConfig, MoEForCausalLM

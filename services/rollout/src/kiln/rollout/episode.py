@@ -27,7 +27,9 @@ model generated:
   any worker, the new tokens carrying the versions that produced them;
 - the budget (tokens generated, calls, deadline, context length) holds whatever the
   harness does: the call that reaches it ends with ``finish_reason = "length"``, later
-  calls get an error.
+  calls get an error; a call whose prompt alone fills the context is refused
+  (``context_length_exceeded``) and changes nothing: the harness may shorten its
+  history and call again (a new segment).
 """
 
 from __future__ import annotations
@@ -334,7 +336,7 @@ class Episode:
         """A whole call: its prompt into the trajectory, then ``n`` choices generated."""
         async with self.lock:
             self._check_budget()
-            self.open_call(messages, tools, max_tokens=max_tokens, temperature=temperature)
+            self.open_call(messages, tools, max_tokens=max_tokens, temperature=temperature, refuse_full=True)
             return await self.generate(tools, n=n)
 
     def open_call(
@@ -344,11 +346,20 @@ class Episode:
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        refuse_full: bool = False,
     ) -> None:
-        """Render the call's messages and stitch its prompt into the trajectory."""
+        """Render the call's messages and stitch its prompt into the trajectory. With
+        ``refuse_full`` a prompt that leaves no room in the context (``room``) is refused
+        before any of it is, as a server refuses it (kiln's own loop ends instead)."""
         if self.open is not None:
             raise RuntimeError("a call is already open")
         prompt, spans = self.render(messages, tools)
+        limit = self.budget.max_context_tokens
+        if refuse_full and limit is not None and limit - len(prompt) - 1 <= 0:
+            raise EpisodeError(
+                f"the prompt is {len(prompt)} tokens: no room for a completion in the episode's context of {limit}",
+                "context_length_exceeded",
+            )
         extended = self.stitch(prompt, spans)
         self.last_messages = messages
         self.open = OpenCall(

@@ -1,5 +1,6 @@
 """An eval worker (``rollout.role = eval``): evaluation episodes under exactly the
-version each request names, with the same agent loop, tools and sandboxes as training.
+version each request names, with the same agent loop, tools and sandboxes as training
+(each episode through the same sample lifecycle, ``lifecycle.SampleLifecycle``).
 
 Invariants:
 - every episode of a request runs under the request's version: a worker switches
@@ -23,7 +24,7 @@ import logging
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from kiln.rollout.agent import EpisodeSpec, run_episode
+from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.rollout.worker import RolloutWorker, stable_seed
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, Retry
@@ -95,7 +96,8 @@ class EvalWorker(RolloutWorker):
                 temperature=req.temperature,
                 tools=tuple(self.cfg.tasks.tools),
             )
-            traj = await run_episode(spec, self.engine, self.tokenizer, self.envpool, self.cfg.rollout, self.ctx.tracer)
+            traj = await self.play(spec, abortable=False)  # kiln's own loop: an eval worker serves no endpoint
+            assert isinstance(traj, c.Trajectory), "an evaluation is never suspended nor stale"
             traj = traj.model_copy(update={"purpose": "eval", "eval_id": req.eval_id})
             ack = await self.ctx.bus.publish(c.TRAJECTORY_FINISHED, traj, msg_id=traj.trajectory_id)
             if ack.duplicate and traj.sandbox:

@@ -37,10 +37,10 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from kiln.rollout.agent import EpisodeSpec, Stale, run_episode
+from kiln.rollout.agent import BuiltinHarness
 from kiln.rollout.config import RolloutConfig
 from kiln.rollout.engine import EngineDead, InferenceEngine
-from kiln.rollout.harness.runners import run_harness_episode
+from kiln.rollout.lifecycle import EpisodeSpec, Harness, SampleLifecycle, Stale
 from kiln.shared import contracts as c
 from kiln.shared.bus import Delivery, Reject, RemoteError, Retry
 from kiln.shared.envpool_client import EnvPoolClient
@@ -76,6 +76,8 @@ class RolloutWorker:
         self.endpoint = None
         """The OpenAI-compatible endpoint of external harnesses (``serve_endpoint``), if any."""
         self.endpoint_url = ""
+        self.harness: Harness = BuiltinHarness(ctx.tracer)
+        """What plays every sample: kiln's own loop, or the external harness once its endpoint serves."""
         self.suspend = asyncio.Event()
         self.resume_at = -1
         """Version an abort asked for; below it the worker takes no fresh work."""
@@ -87,6 +89,7 @@ class RolloutWorker:
 
     async def serve_endpoint(self) -> str:
         """Start the OpenAI-compatible endpoint external harnesses call (``rollout.harness``)."""
+        from kiln.rollout.harness.runners import ExternalHarness
         from kiln.rollout.harness.server import Endpoint
         from kiln.shared.http import serve_http
 
@@ -96,6 +99,7 @@ class RolloutWorker:
             self.endpoint.app, h.host, h.port, "", self.ctx.stop, authenticates_itself=True
         )
         self.ctx.health_detail["endpoint"] = self.endpoint_url
+        self.harness = ExternalHarness(h, self.endpoint, self.endpoint_url)
         log.info("OpenAI-compatible endpoint for %s harnesses at %s/v1", h.kind, self.endpoint_url)
         return self.endpoint_url
 
@@ -257,28 +261,7 @@ class RolloutWorker:
             m.in_flight.add(1)
             t0 = time.monotonic()
             try:
-                if self.endpoint is not None:  # an external harness drives it; suspensions stay inside its calls
-                    out = await run_harness_episode(
-                        spec,
-                        self.engine,
-                        self.tokenizer,
-                        self.envpool,
-                        self.cfg.rollout,
-                        self.endpoint,
-                        self.endpoint_url,
-                        lambda: self.served(self.resume_at),
-                    )
-                else:
-                    out = await run_episode(
-                        spec,
-                        self.engine,
-                        self.tokenizer,
-                        self.envpool,
-                        self.cfg.rollout,
-                        self.ctx.tracer,
-                        suspend=self.suspend,
-                        resume=partial,
-                    )
+                out = await self.play(spec, partial)
             finally:
                 m.in_flight.add(-1)
             if not isinstance(out, Stale):  # tokens this episode added (a resumed one carries earlier ones)
@@ -299,6 +282,25 @@ class RolloutWorker:
             self.published += 1
             self.ctx.health_detail["published"] = self.published
             return traj
+
+    async def play(
+        self, spec: EpisodeSpec, partial: c.PartialSample | None = None, *, abortable: bool = True
+    ) -> c.Trajectory | c.PartialSample | Stale:
+        """One sample through the lifecycle, played by this worker's harness. An external
+        harness never suspends (an abort waits inside its calls), so it is never resumed;
+        a sample that is not ``abortable`` (an evaluation's) is never suspended."""
+        h = self.harness
+        return await SampleLifecycle(
+            spec,
+            h,
+            self.engine,
+            self.tokenizer,
+            self.envpool,
+            self.cfg.rollout,
+            suspend=self.suspend if h.suspends and abortable else None,
+            wait_resume=lambda: self.served(self.resume_at),
+            resume=partial if h.suspends else None,
+        ).run()
 
 
 def stable_seed(*parts) -> int:

@@ -1,4 +1,6 @@
-"""Running one episode with an external harness (``rollout.harness``).
+"""An external harness (``rollout.harness``) as one harness of the sample lifecycle
+(``ExternalHarness``, a ``lifecycle.Harness`` beside kiln's own loop): the lifecycle
+leases its sandbox, sets its budget, takes its diff and assembles its ``Trajectory``.
 
 ``python``: ``async def run(task, client, sandbox)`` loaded from ``entry``
 (``package.module:function``): ``client`` is an ``openai.AsyncOpenAI`` bound to this
@@ -12,10 +14,12 @@ folder of its own, never the sandbox's files.
 Invariants: the episode's key is revoked when the harness returns, fails or runs out of
 time (a straggling call gets 401); a harness that raises or exits non-zero ends as
 ``harness_error``, one that outlives the episode's deadline (plus ``grace_s``) is
-killed (its whole process group) and ends as ``timeout``; either way its sandbox is
-destroyed at once and the reason and the tail of its output are recorded; by default
+killed (its whole process group) and ends as ``timeout``; either way the lifecycle
+destroys its sandbox at once and the reason and the tail of its output are recorded; by default
 (``on_failure = "zero"``) such a sample scores 0, so a policy cannot escape its failure
-by crashing its harness.
+by crashing its harness. Its budget is the lifecycle's, the same as kiln's own loop's,
+context length included: a call past ``max_total_tokens`` ends with ``length``, one whose
+prompt alone fills it is refused (``context_length_exceeded``).
 """
 
 from __future__ import annotations
@@ -31,15 +35,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.rollout.agent import EpisodeSpec
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import InferenceEngine
-from kiln.rollout.episode import Budget, Episode
 from kiln.rollout.harness.server import Endpoint
+from kiln.rollout.lifecycle import EpisodeSpec, Played, SampleContext, SampleLifecycle
 from kiln.shared import contracts as c
-from kiln.shared.bus import RemoteError
 from kiln.shared.envpool_client import EnvPoolClient
-from kiln.shared.toolformats import tool_format
 
 LOG_TAIL = 4000
 PASS_ENV = {
@@ -137,6 +138,67 @@ async def _run_command(h: HarnessSettings, env: dict[str, str], timeout_s: float
     return text
 
 
+class ExternalHarness:
+    """The configured external harness (``rollout.harness``) as a ``lifecycle.Harness``:
+    it plays through the worker's endpoint under a key of the sample's own, and never
+    suspends (an aborted generation waits inside its call)."""
+
+    suspends = False
+
+    def __init__(self, settings: HarnessSettings, endpoint: Endpoint, base_url: str):
+        self.h, self.endpoint, self.base_url = settings, endpoint, base_url
+
+    async def play(self, sample: SampleContext) -> Played:
+        h, endpoint, base_url, task = self.h, self.endpoint, self.base_url, sample.spec.task
+        sandbox = await sample.sandbox()  # the harness may use it at once
+        key = endpoint.register(sample.episode, sandbox, sample.settings.tool_timeout_s)
+        outcome, log = "harness_done", ""
+        timeout_s = max(sample.spec.request.deadline - time.time(), 0.0) + h.grace_s
+        try:
+            if h.kind == "python":
+                import openai
+
+                # One connection pool for every episode of the worker (a client of its own costs ~30 ms to make).
+                client = openai.AsyncOpenAI(
+                    base_url=f"{base_url}/v1", api_key=key, max_retries=0, http_client=endpoint.http_client()
+                )
+                try:
+                    await asyncio.wait_for(
+                        load_entry(h.entry)(task, client, SandboxHandle(sample.envpool, sandbox)), timeout_s
+                    )
+                except TimeoutError:
+                    raise HarnessFailed("timeout", "") from None
+                except Exception as e:  # the harness's own failure: recorded, scored
+                    raise HarnessFailed("harness_error", "".join(traceback.format_exception(e))[-LOG_TAIL:]) from None
+            else:
+                passed = {k: v for k, v in os.environ.items() if k in PASS_ENV or k.startswith(PASS_ENV_PREFIXES)}
+                env = {
+                    **passed,
+                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                    "HOME": os.environ.get("HOME", "/tmp"),
+                    "LANG": "C.UTF-8",
+                    "OPENAI_BASE_URL": f"{base_url}/v1",
+                    "OPENAI_API_KEY": key,
+                    "KILN_EXEC_URL": f"{base_url}/kiln/v1",
+                    "KILN_TASK_ID": task.id,
+                    "KILN_PROBLEM_STATEMENT": task.problem_statement,
+                    "KILN_WORKDIR": os.getcwd(),
+                    **h.env,
+                }
+                log = await _run_command(h, env, timeout_s)
+        except HarnessFailed as e:
+            outcome, log = e.outcome, e.log
+        finally:
+            endpoint.unregister(key)
+        ep = sample.episode
+        sample.messages, sample.turns = ep.transcript(), len(ep.calls)
+        if outcome == "harness_done":
+            return Played(outcome, log=log)
+        # A failed harness scores 0 (``on_failure = "zero"``) or is left out (``mask``); its sandbox goes either way.
+        masked = outcome in c.HARNESS_FAILURES and h.on_failure == "mask"
+        return Played(outcome, scored=False, infra_error=f"{outcome}: {log[-300:]}" if masked else None, log=log)
+
+
 async def run_harness_episode(
     spec: EpisodeSpec,
     engine: InferenceEngine,
@@ -147,117 +209,8 @@ async def run_harness_episode(
     base_url: str,
     wait_resume: Callable[[], Awaitable[None]],
 ) -> c.Trajectory:
-    req, task, h = spec.request, spec.task, settings.harness
-    traj = dict(
-        run_id=req.run_id,
-        trajectory_id=f"{req.group_id}-s{spec.sample_index}",
-        group_id=req.group_id,
-        task_id=req.task_id,
-        sample_index=spec.sample_index,
-        dispatch_version=req.dispatch_version,
-        worker_id=spec.worker_id,
-        started_at=time.time(),
-    )
-    ttl = max(req.deadline - time.time(), 1.0) + settings.sandbox_score_buffer_s
-    try:
-        sandbox = await envpool.create(task.id, run_id=req.run_id, ttl_s=ttl)
-    except RemoteError as e:
-        return c.Trajectory(
-            **traj,
-            status=c.TrajectoryStatus.INFRA_ERROR,
-            infra_error=f"sandbox create failed: {e}",
-            infra_code=e.code,
-            token_ids=[],
-            logprobs=[],
-            token_versions=[],
-            loss_mask=[],
-            finish_reason="error",
-        )
-    budget = Budget(
-        max_generated_tokens=settings.max_total_tokens,
-        max_calls=settings.max_turns,
-        deadline=req.deadline,
-        max_tokens_per_call=settings.max_new_tokens,
-    )
-    episode = Episode(
-        traj["trajectory_id"],
-        engine,
-        tokenizer,
-        tool_format(h.tool_format),
-        budget,
-        seed=spec.seed,
-        temperature=spec.temperature,
-        wait_resume=wait_resume,
-    )
-    key = endpoint.register(episode, sandbox, settings.tool_timeout_s)
-    outcome, log = "harness_done", ""
-    timeout_s = max(req.deadline - time.time(), 0.0) + h.grace_s
-    try:
-        if h.kind == "python":
-            import openai
-
-            # One connection pool for every episode of the worker (a client of its own costs ~30 ms to make).
-            client = openai.AsyncOpenAI(
-                base_url=f"{base_url}/v1", api_key=key, max_retries=0, http_client=endpoint.http_client()
-            )
-            try:
-                await asyncio.wait_for(load_entry(h.entry)(task, client, SandboxHandle(envpool, sandbox)), timeout_s)
-            except TimeoutError:
-                raise HarnessFailed("timeout", "") from None
-            except Exception as e:  # the harness's own failure: recorded, scored
-                raise HarnessFailed("harness_error", "".join(traceback.format_exception(e))[-LOG_TAIL:]) from None
-        else:
-            passed = {k: v for k, v in os.environ.items() if k in PASS_ENV or k.startswith(PASS_ENV_PREFIXES)}
-            env = {
-                **passed,
-                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                "HOME": os.environ.get("HOME", "/tmp"),
-                "LANG": "C.UTF-8",
-                "OPENAI_BASE_URL": f"{base_url}/v1",
-                "OPENAI_API_KEY": key,
-                "KILN_EXEC_URL": f"{base_url}/kiln/v1",
-                "KILN_TASK_ID": task.id,
-                "KILN_PROBLEM_STATEMENT": task.problem_statement,
-                "KILN_WORKDIR": os.getcwd(),
-                **h.env,
-            }
-            log = await _run_command(h, env, timeout_s)
-    except HarnessFailed as e:
-        outcome, log = e.outcome, e.log
-    finally:
-        endpoint.unregister(key)
-    episode.finish()
-    final_diff = None
-    if outcome == "harness_done":
-        try:
-            final_diff = await envpool.diff(sandbox)
-        except RemoteError as e:
-            outcome, log = "error", f"sandbox lost: {e}"
-    if outcome != "harness_done":
-        try:  # nothing is scored from it: leave no sandbox behind
-            await envpool.destroy(sandbox)
-        except RemoteError:
-            pass  # its lease ends it
-        sandbox = None
-    status, infra = c.TrajectoryStatus.FINISHED, None
-    if outcome == "error" or (outcome in c.HARNESS_FAILURES and h.on_failure == "mask"):
-        status, infra = c.TrajectoryStatus.INFRA_ERROR, f"{outcome}: {log[-300:]}"
-    s = episode.seq
-    return c.Trajectory(
-        **traj,
-        status=status,
-        infra_error=infra,
-        messages=episode.transcript(),
-        token_ids=s.ids,
-        logprobs=s.logprobs,
-        token_versions=s.versions,
-        loss_mask=s.mask,
-        num_turns=len(episode.calls),
-        malformed_tool_calls=episode.malformed,
-        finish_reason=outcome,
-        sandbox=sandbox,
-        final_diff=final_diff,
-        segments=episode.segments,
-        harness_log=log,
-        finished_at=time.time(),
-    )
+    """One sample played by the configured external harness, through the lifecycle (tests and benchmarks)."""
+    harness = ExternalHarness(settings.harness, endpoint, base_url)
+    out = await SampleLifecycle(spec, harness, engine, tokenizer, envpool, settings, wait_resume=wait_resume).run()
+    assert isinstance(out, c.Trajectory), "an external harness never suspends"
+    return out
