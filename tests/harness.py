@@ -71,7 +71,7 @@ async def score_unchanged_and_solved(nats_server, bus, db_url: str, run_dir: Pat
     from kiln.shared.envpool_client import EnvPoolClient
     from kiln.shared.tasks import load_suite
 
-    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
+    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments": {"root": str(env_root)}}
     p, run_id = await reward_platform(run_dir, nats_server.url, db_url, suite, envpool=envpool)
     try:
         pool = EnvPoolClient(bus)

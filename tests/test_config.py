@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from kiln.ops.local_run import LocalRunConfig
 from kiln.rollout.config import RolloutConfig
 from kiln.shared.config import load_config, parse_overrides
-from kiln.shared.launcher import LauncherConfig
 from kiln.shared.registry import discover
 
 
@@ -58,7 +58,7 @@ def _fields(model: type[BaseModel], prefix=""):
 
 @pytest.mark.parametrize("name", ["kiln run", *discover()])
 def test_every_field_is_documented(name):
-    cls = LauncherConfig if name == "kiln run" else discover()[name].config_class()
+    cls = LocalRunConfig if name == "kiln run" else discover()[name].config_class()
     undocumented = [n for n, f in _fields(cls) if not (f.description or "").strip()]
     assert not undocumented, f"{name}: fields without a docstring: {undocumented}"
 
@@ -70,7 +70,7 @@ def test_config_show_prints_resolved_values(tmp_path):
         [
             sys.executable,
             "-m",
-            "kiln.shared.cli",
+            "kiln.ops.cli",
             "config",
             "show",
             "--service",
@@ -86,7 +86,7 @@ def test_config_show_prints_resolved_values(tmp_path):
     ).stdout
     assert "# ---- rollout ----" in out and "max_turns = 7" in out and "steps = 9" in out
     bad = subprocess.run(
-        [sys.executable, "-m", "kiln.shared.cli", "config", "show", "--service", "nope"], capture_output=True, text=True
+        [sys.executable, "-m", "kiln.ops.cli", "config", "show", "--service", "nope"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown service" in bad.stderr
 
@@ -100,7 +100,7 @@ def test_every_preset_resolves_for_every_service(preset):
     class checks each key it sets; a top-level table no service reads is a typo."""
     from kiln.shared.config import load_toml
 
-    classes = [info.config_class() for info in discover().values()] + [LauncherConfig]
+    classes = [info.config_class() for info in discover().values()] + [LocalRunConfig]
     for cls in classes:
         load_config(cls, preset)
     known = {name for cls in classes for name in cls.model_fields}
@@ -191,3 +191,31 @@ def test_rendered_toml_reads_back_any_string():
     nasty = 'line one\nline "two"\t\\ end\x01\x7f é'
     data = {"a": nasty, "section": {"b": [nasty, "plain"], "c": 3, "d": True}}
     assert tomllib.loads(render_toml(data)) == data
+
+
+def test_renamed_keys_still_load_from_every_source(tmp_path, monkeypatch):
+    """``kiln.shared.config_keys.RENAMED``: old flat keys load (with a warning) from the
+    file, the environment and ``--set``, and mean what the new keys mean."""
+    from kiln.learner.config import LearnerConfig
+    from kiln.shared.config_keys import DeprecatedKeyWarning
+
+    exp = tmp_path / "old.toml"
+    exp.write_text('[learner]\nsft_steps = 7\nlauncher = "ray"\nray_address = "h:1"\nprecision = "bf16"\n')
+    monkeypatch.setenv("KILN_LEARNER__CHECKPOINT_KEEP", "5")
+    monkeypatch.setenv("KILN_TELEMETRY__METRICS_PORT", "9")
+    with pytest.warns(DeprecatedKeyWarning):
+        cfg = load_config(LearnerConfig, exp, ["learner.lr_decay_to=0.5"])
+    lc = cfg.learner
+    assert (lc.warm_start.steps, lc.launcher.kind, lc.launcher.address, lc.precision.mode) == (7, "ray", "h:1", "bf16")
+    assert (lc.checkpoint.keep, lc.schedule.decay_to, cfg.telemetry.metrics.port) == (5, 0.5, 9)
+    # the environment's new spelling still wins over the file's old one
+    monkeypatch.setenv("KILN_LEARNER__WARM_START__STEPS", "3")
+    with pytest.warns(DeprecatedKeyWarning):
+        assert load_config(LearnerConfig, exp).learner.warm_start.steps == 3
+    with pytest.raises(ValueError, match="both set"):
+        load_config(LearnerConfig, None, ["learner.sft_steps=1", "learner.warm_start.steps=2"])
+
+
+def test_a_loss_the_learner_refuses_is_refused_at_load():
+    with pytest.raises(ValidationError, match="clip_eps"):
+        load_config(RolloutConfig, None, ["algorithm.clip_eps=1.5"])

@@ -170,18 +170,15 @@ def test_settings_pick_the_store(s3, s3_endpoint):
     from kiln.envpool.environments import NatsLayerStore
     from kiln.envpool.main import layer_store
 
-    with pytest.raises(ValidationError, match='environments_store = "s3" needs envpool.environments_s3_bucket'):
-        EnvPoolSettings(environments_store="s3")
+    with pytest.raises(ValidationError, match='store.kind = "s3" needs envpool.environments.store.bucket'):
+        EnvPoolSettings(environments={"store": {"kind": "s3"}})
     s = EnvPoolSettings(
-        environments_store="s3",
-        environments_s3_bucket=BUCKET,
-        environments_s3_endpoint_url=s3_endpoint,
-        environments_s3_prefix="p/",
+        environments={"store": {"kind": "s3", "bucket": BUCKET, "endpoint_url": s3_endpoint, "prefix": "p/"}}
     )
     picked = layer_store(s, js=None)
     assert isinstance(picked, S3LayerStore) and picked.key("d") == "p/d.tar.gz"
     assert picked.client.meta.endpoint_url == s3_endpoint
     assert isinstance(layer_store(EnvPoolSettings(), js=object()), NatsLayerStore)
-    assert layer_store(EnvPoolSettings(environments_store="none"), js=None) is None
+    assert layer_store(EnvPoolSettings(environments={"store": {"kind": "none"}}), js=None) is None
     with pytest.raises(ValueError, match="needs a bucket"):
         S3LayerStore("")

@@ -1,4 +1,4 @@
-"""The learner service with ``learner.launcher = "ray"``: its process is rank 0 (bus,
+"""The learner service with ``learner.launcher.kind = "ray"``: its process is rank 0 (bus,
 database, health) and rank 1 runs as an actor of a real Ray cluster, a head started by
 ``ray start --head`` on loopback with token auth. The run trains the same policy as the
 single-process learner on the same data, survives a SIGKILL of the learner (the restarted
@@ -98,9 +98,9 @@ def test_kiln_run_starts_a_ray_learner_as_one_process():
     from kiln.shared.registry import discover
 
     info = discover()["learner"]
-    ray_cfg = load_config(LearnerConfig, overrides=["learner.ep=2", "learner.launcher=ray"])
+    ray_cfg = load_config(LearnerConfig, overrides=["learner.parallelism.ep=2", "learner.launcher.kind=ray"])
     assert info.argv(ray_cfg) == [sys.executable, "-m", info.module]
-    local = info.argv(load_config(LearnerConfig, overrides=["learner.ep=2"]))
+    local = info.argv(load_config(LearnerConfig, overrides=["learner.parallelism.ep=2"]))
     assert local[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in local
 
 
@@ -116,7 +116,10 @@ async def test_ray_launched_learner_trains_like_one_process(tmp_path, nats_serve
         bus,
         pg_url,
         kill_after=2,
-        learner_settings={"ep": 2, "launcher": "ray", "ray_address": ray_head, "rendezvous_host": "127.0.0.1"},
+        learner_settings={
+            "parallelism": {"ep": 2},
+            "launcher": {"kind": "ray", "address": ray_head, "rendezvous_host": "127.0.0.1"},
+        },
     )
     # Rank 1's log reaches the learner's through Ray (log_to_driver), once per learner process.
     assert logs.count("rank 1 of 2 following rank 0") == 2, logs[-3000:]
@@ -139,7 +142,11 @@ async def test_a_lost_ray_rank_fails_the_learner(tmp_path, nats_server, bus, pg_
         run={"id": "ray-lost", "dir": str(tmp_path), "seed": 0},
         algorithm={"steps": STEPS, "groups_per_step": 2, "samples_per_group": 2},
         # rendezvous_host left empty: rank 0's address as Ray sees it (loopback here).
-        learner={"tokenizer_corpus_repeats": 1, "ep": 2, "launcher": "ray", "ray_address": ray_head},
+        learner={
+            "tokenizer_corpus_repeats": 1,
+            "parallelism": {"ep": 2},
+            "launcher": {"kind": "ray", "address": ray_head},
+        },
     )
     platform = InProcessPlatform(exp)
     await platform.start("weights")

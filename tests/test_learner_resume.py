@@ -199,7 +199,7 @@ async def test_two_rank_learner_trains_like_one(tmp_path, nats_server, bus, pg_u
     (tmp_path / "b").mkdir()
     single, _, _, _ = await one_run(tmp_path / "a", nats_server, bus, pg_url, kill_after=None)
     multi, groups, run, logs = await one_run(
-        tmp_path / "b", nats_server, bus, pg_url, kill_after=2, learner_settings={"ep": 2}
+        tmp_path / "b", nats_server, bus, pg_url, kill_after=2, learner_settings={"parallelism": {"ep": 2}}
     )
     assert "rank 1 of 2 following rank 0" in logs and "restored the learner's state" in logs
     assert run.status == "finished" and len([g for g in groups if g.status == "trained"]) == STEPS * 2

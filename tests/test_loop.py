@@ -26,7 +26,7 @@ async def test_full_loop_accounting_versions_dlq_and_traces(nats_server, bus, pg
         run_dir,
         nats_server.url,
         pg_url,
-        telemetry={"log_format": "text", "metrics_port": 0, "metrics_linger_s": 120},
+        telemetry={"log_format": "text", "metrics": {"port": 0}, "metrics_linger_s": 120},
         learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "queue_sample_s": 0.5},
     )
     platform = InProcessPlatform(exp, exporter)

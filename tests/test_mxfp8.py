@@ -338,7 +338,7 @@ def test_mxfp8_run_tracks_bf16():
 
 
 def test_learner_trains_and_stages_in_mxfp8(tmp_path):
-    """The learner's own step and checkpoint staging under ``learner.precision = mxfp8``
+    """The learner's own step and checkpoint staging under ``learner.precision.mode = mxfp8``
     (sequences padded to the MX block), and the staged HF folder loads as a plain model."""
     from kiln.learner.config import LearnerConfig
     from kiln.learner.policy import Policy
@@ -348,7 +348,7 @@ def test_learner_trains_and_stages_in_mxfp8(tmp_path):
     from kiln.shared.tasks import load_suite
 
     overrides = [
-        "learner.precision=mxfp8",
+        "learner.precision.mode=mxfp8",
         "model.hidden_size=32",
         "model.num_hidden_layers=1",
         "learner.tokenizer_corpus_repeats=1",

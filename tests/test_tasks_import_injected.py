@@ -349,7 +349,7 @@ def test_a_short_run_over_the_imported_suite(bugs, env_root, tmp_path):
             "--set",
             f"tasks.suite={out / 'suite.toml'}",
             "--set",
-            f"envpool.environments_root={env_root}",
+            f"envpool.environments.root={env_root}",
             "--set",
             "algorithm.steps=1",
             "--set",

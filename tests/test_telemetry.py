@@ -63,7 +63,7 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus, ca
 
     cfg = ServiceConfig(
         nats=NatsSettings(url=nats_server.url),
-        telemetry=TelemetrySettings(log_format="text", metrics_port=0, metrics_linger_s=60),
+        telemetry=TelemetrySettings(log_format="text", metrics={"port": 0}, metrics_linger_s=60),
     )
     body_done, stop = asyncio.Event(), asyncio.Event()
     caplog.set_level(logging.INFO, logger="kiln.service")

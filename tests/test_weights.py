@@ -263,7 +263,7 @@ async def test_weights_service_publishes_serves_and_retains(nats_server, bus, pg
         run_dir,
         nats_server.url,
         pg_url,
-        weights={"delta": True, "keyframe_every": 4, "keep_last": 2, "http_port": 0, "http_token": "tok"},
+        weights={"delta": True, "keyframe_every": 4, "keep_last": 2, "http": {"port": 0, "token": "tok"}},
     )
     p = InProcessPlatform(exp)
     run_id = p.config("weights").run.id

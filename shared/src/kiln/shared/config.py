@@ -24,8 +24,9 @@ from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticUndefined
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kiln.shared.config_keys import migrate, migrate_env, renamed_in
 from kiln.shared.loss import LossFields
 from kiln.shared.model.config import MoEArchitecture
 from kiln.shared.tools import offered
@@ -36,6 +37,50 @@ CONFIG_ENV = "KILN_CONFIG"
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    renamed_from: ClassVar[str] = ""
+    """This section's key where ``RENAMED`` has old keys of it (so a section built directly,
+    ``LearnerSettings(sft_steps=3)``, reads them too)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        return migrate(data, cls.renamed_from) if cls.renamed_from else data
+
+
+class ListenAddress(Section):
+    """Where an HTTP endpoint of a service listens (``kiln.shared.http.serve``)."""
+
+    host: str = "127.0.0.1"
+    """Bind address; anything but loopback requires ``token``."""
+    port: int = 0
+    """Its port; 0 = a free one (logged, and in the health reply or node stats), -1 = off."""
+    token: str = ""
+    """Bearer token every route but ``/healthz`` requires when set (clients send it too)."""
+
+
+def one_variant(v: Any, default_kind: str, variants: tuple[type[BaseModel], ...]) -> Any:
+    """A discriminated union's table, made one variant's: without ``kind`` it is
+    ``default_kind``'s, and keys only other variants have are dropped where they hold
+    those variants' defaults (old flat keys, like ``learner.ray_address = "auto"`` under
+    torchrun, meant nothing there); any other foreign key stays, for validation to refuse."""
+    if not isinstance(v, dict):
+        return v
+    kinds = {get_args(c.model_fields["kind"].annotation)[0]: c for c in variants}
+    kind = v.get("kind", default_kind)
+    chosen = kinds.get(kind)
+    if chosen is None:
+        return v
+    out = {"kind": kind}
+    for k, x in v.items():
+        others = [c.model_fields[k] for c in variants if c is not chosen and k in c.model_fields]
+        if (
+            k not in chosen.model_fields
+            and others
+            and all(x == f.get_default(call_default_factory=True) for f in others)
+        ):
+            continue
+        out[k] = x
+    return out
 
 
 class RunSettings(Section):
@@ -121,6 +166,8 @@ class DatabaseSettings(Section):
 
 
 class TelemetrySettings(Section):
+    renamed_from: ClassVar[str] = "telemetry"
+    deprecated_keys: ClassVar[dict[str, str]] = renamed_in("telemetry")
     otlp_endpoint: str = ""
     """OTLP/HTTP endpoint (e.g. ``http://jaeger:4318``); traces and metrics are exported there."""
     traces_file: str = ""
@@ -131,13 +178,9 @@ class TelemetrySettings(Section):
     """Structured JSON logs (with service, trace_id, span_id) or plain text."""
     metrics_interval_s: float = 15.0
     """Export interval of the OTLP metric reader."""
-    metrics_port: int = -1
-    """Serve the service's metrics for Prometheus at ``http://<metrics_host>:<port>/metrics``;
-    -1: off, 0: a free port (logged and in the health reply)."""
-    metrics_host: str = "127.0.0.1"
-    """Bind address of the metrics endpoint; anything beyond loopback needs ``metrics_token``."""
-    metrics_token: str = ""
-    """Bearer token the metrics endpoint demands (Prometheus: ``authorization.credentials``)."""
+    metrics: ListenAddress = Field(default_factory=lambda: ListenAddress(port=-1))
+    """Serve the service's metrics for Prometheus at ``http://<host>:<port>/metrics``
+    (off by default: port -1); Prometheus sends the token as ``authorization.credentials``."""
     metrics_linger_s: float = 0.0
     """When the service's work ends by itself (the learner, once the run is finished), keep
     ``/metrics`` up this long (or until stopped) so a last scrape sees the final values; set
@@ -145,6 +188,12 @@ class TelemetrySettings(Section):
     health_file: str = ""
     """Touch this file every few seconds while the service's event loop is alive (container
     healthchecks run ``kiln health --file``); ``{service}`` is substituted."""
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics_off_unless_a_port(cls, v: Any) -> Any:
+        # a table that names no port leaves the endpoint off, as the section's default does
+        return {"port": -1, **v} if isinstance(v, dict) else v
 
 
 class TaskSettings(Section):
@@ -275,7 +324,8 @@ class EvalSettings(Section):
 class WeightsSettings(Section):
     """The version store (weights service) and how engines receive versions (rollout)."""
 
-    deprecated_keys: ClassVar[dict[str, str]] = DEPRECATED_KEYS
+    renamed_from: ClassVar[str] = "weights"
+    deprecated_keys: ClassVar[dict[str, str]] = {**DEPRECATED_KEYS, **renamed_in("weights")}
 
     store_dir: str = ""
     """Root of the version store; empty = ``<run.dir>/weights``."""
@@ -291,13 +341,8 @@ class WeightsSettings(Section):
     keep_last: int = Field(default=0, ge=0)
     """Retention: keep the newest this many versions (and tagged, pinned ones, and what they
     need); 0 keeps every version."""
-    http_host: str = "127.0.0.1"
-    """Bind address of the weights HTTP API. Anything but loopback requires ``http_token``."""
-    http_port: int = 0
-    """Port of the weights HTTP API; 0 = a free port, -1 = off."""
-    http_token: str = ""
-    """Bearer token the HTTP API requires (every route but ``/healthz``) when set; receivers
-    send it too."""
+    http: ListenAddress = Field(default_factory=ListenAddress)
+    """The weights HTTP API (-1: off); receivers send its token too."""
     public_url: str = ""
     """URL receivers use for the HTTP API, when it differs from the bound address (a load
     balancer, a service name)."""
@@ -369,10 +414,28 @@ class ServiceConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _ExperimentFileSource(settings_cls))
+        # Each source's old keys are renamed before the sources merge (config_keys).
+        return (_Renamed(init_settings), _RenamedEnv(settings_cls), _ExperimentFileSource(settings_cls))
 
 
 _config_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_config_path", default=None)
+
+
+class _Renamed(PydanticBaseSettingsSource):
+    def __init__(self, inner: PydanticBaseSettingsSource):
+        super().__init__(inner.settings_cls)
+        self.inner = inner
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused, __call__ does the work
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return migrate(self.inner(), source="--set/arguments")
+
+
+class _RenamedEnv(EnvSettingsSource):
+    def _load_env_vars(self):
+        return migrate_env(super()._load_env_vars(), self.env_prefix, self.env_nested_delimiter or "__")
 
 
 class _ExperimentFileSource(PydanticBaseSettingsSource):
@@ -383,7 +446,7 @@ class _ExperimentFileSource(PydanticBaseSettingsSource):
         path = _config_path.get() or os.environ.get(CONFIG_ENV)
         if not path:
             return {}
-        data = load_toml(Path(path))
+        data = migrate(load_toml(Path(path)), source=str(path))
         return {k: v for k, v in data.items() if k in self.settings_cls.model_fields}
 
 
@@ -475,19 +538,24 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def describe(cls: type[BaseModel]) -> list[tuple[str, str, Any, str]]:
-    """``(dotted name, type, default, description)`` of every leaf field of a config class."""
+def describe(cls: type[BaseModel], defaults: BaseModel | None = None) -> list[tuple[str, str, Any, str]]:
+    """``(dotted name, type, default, description)`` of every leaf field of a config class
+    (a nested section's defaults are those of the section's own default, ``defaults``)."""
     rows = []
     for name, f in cls.model_fields.items():
         ann = f.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            for sub, typ, default, desc in describe(ann):
-                rows.append((f"{name}.{sub}", typ, default, desc))
+            own = f.get_default(call_default_factory=True)
+            if defaults is not None:
+                own = getattr(defaults, name)
+            doc = (f.description or "").strip()  # said once, on the section's first key
+            for i, (sub, typ, default, desc) in enumerate(describe(ann, own if isinstance(own, BaseModel) else None)):
+                rows.append((f"{name}.{sub}", typ, default, f"{doc} {desc}".strip() if i == 0 else desc))
             continue
         if f.discriminator and get_origin(ann) in (Union, types.UnionType):
             rows += _describe_union(name, f, get_args(ann))
             continue
-        default = f.get_default(call_default_factory=True)
+        default = getattr(defaults, name) if defaults is not None else f.get_default(call_default_factory=True)
         typ = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
         rows.append((name, typ, default, (f.description or "").strip()))
     for old, now in getattr(cls, "deprecated_keys", {}).items():

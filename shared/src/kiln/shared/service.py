@@ -62,7 +62,7 @@ class ServiceContext:
 
     _metrics: object = None
     metrics_url: str = ""
-    """Where Prometheus scrapes this instance ("" when ``telemetry.metrics_port`` is -1)."""
+    """Where Prometheus scrapes this instance ("" when ``telemetry.metrics.port`` is -1)."""
 
     @property
     def tracer(self):
@@ -235,13 +235,9 @@ async def run_service(
         await bus.ensure_topology()
         ctx = ServiceContext(name, instance, config, bus, tel, stop, ready or asyncio.Event())
         if tel.prometheus is not None:
-            t = config.telemetry
+            m = config.telemetry.metrics
             ctx.metrics_url, metrics_task = await serve_http(
-                metrics_app(tel.prometheus, t.metrics_token),
-                t.metrics_host,
-                t.metrics_port,
-                t.metrics_token,
-                metrics_stop,
+                metrics_app(tel.prometheus, m.token), m.host, m.port, m.token, metrics_stop
             )
             ctx.health_detail["metrics_url"] = f"{ctx.metrics_url}/metrics"
             log.info("metrics for Prometheus at %s/metrics", ctx.metrics_url)

@@ -101,7 +101,7 @@ def init_telemetry(
 
     readers = list(metric_readers)
     registry = None
-    if settings.metrics_port >= 0:
+    if settings.metrics.port >= 0:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import CollectorRegistry
 

@@ -40,5 +40,5 @@ def follower(cfg: LearnerConfig) -> None:
     )
     world = join(cfg)
     policy = Policy(cfg, load_suite(cfg.tasks.suite), world)
-    follow(world, policy, Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep))
+    follow(world, policy, Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint.keep))
     dist.destroy_process_group()

@@ -134,20 +134,23 @@ class Policy:
             want = lc.device if lc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             self.model.to(want)
         self.model.activation_checkpointing = lc.activation_checkpointing
-        if lc.sft_steps:
+        if lc.warm_start.steps:
             self.init_folder = self._warm_start(suite)
         self.precision = apply_precision(
-            self.model, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
+            self.model,
+            lc.precision.mode,
+            kernel=lc.precision.kernel,
+            keep_high_precision=tuple(lc.precision.keep_high_precision),
         )
         if world is not None:
-            parallelize(self.model, world.meshes, dispatch=lc.ep_dispatch)
+            parallelize(self.model, world.meshes, dispatch=lc.parallelism.ep_dispatch)
         a = cfg.algorithm
         # foreach kernels need every parameter on one mesh; a sharded MoE has two.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False if world is not None else None
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _Schedule(cfg.learner.lr_warmup_steps, a.steps, cfg.learner.lr_decay_to)
+            self.optimizer, _Schedule(lc.schedule.warmup_steps, a.steps, lc.schedule.decay_to)
         )
         self._reference: MoEForCausalLM | None = None
 
@@ -160,19 +163,19 @@ class Policy:
             load_checkpoint(folder, self.model)
             log.info("warm start: reusing %s", folder)
             return folder
-        lc = self.cfg.learner
+        ws = self.cfg.learner.warm_start
         losses = warm_start(
             self.model,
             self.tokenizer,
             suite.split(self.cfg.tasks.split),
-            steps=lc.sft_steps,
-            lr=lc.sft_lr,
-            batch=lc.sft_batch,
+            steps=ws.steps,
+            lr=ws.lr,
+            batch=ws.batch,
             seed=self.cfg.run.seed,
             tools=self.cfg.tasks.tools,
-            stop_match=lc.sft_stop_match,
-            wrong_target_rate=lc.sft_wrong_target_rate,
-            prose_fix_rate=lc.sft_prose_fix_rate,
+            stop_match=ws.stop_match,
+            wrong_target_rate=ws.wrong_target_rate,
+            prose_fix_rate=ws.prose_fix_rate,
         )
         log.info("warm start: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
         tmp = folder.with_name(f"sft-init.tmp{os.getpid()}")
@@ -205,7 +208,7 @@ class Policy:
         # segment as a sequence of its own, every one with the trajectory's advantage.
         rows = [(t, advantage, part) for t, advantage in batch for part in t.sequences()]
         n = max(part.stop - part.start for _, _, part in rows)
-        if self.cfg.learner.precision in ("mxfp8", "fp8_rowwise"):
+        if self.cfg.learner.precision.mode in ("mxfp8", "fp8_rowwise"):
             n = -(-n // 32) * 32  # MX blocks run along the token dimension in the backward
         pad = special_id(self.tokenizer, chat.PAD)
         ids = torch.full((len(rows), n), pad, dtype=torch.long)
@@ -295,7 +298,10 @@ class Policy:
                 ref = MoEForCausalLM(self.model.config).init_weights(self.cfg.run.seed)
             lc = self.cfg.learner
             apply_precision(
-                ref, lc.precision, kernel=lc.precision_kernel, keep_high_precision=tuple(lc.keep_high_precision)
+                ref,
+                lc.precision.mode,
+                kernel=lc.precision.kernel,
+                keep_high_precision=tuple(lc.precision.keep_high_precision),
             )
             ref = ref.to(next(self.model.parameters()).device).eval()
             for p in ref.parameters():

@@ -66,7 +66,8 @@ def _torch_rng() -> list[int]:
 
 def checkpoint_root(cfg) -> Path:
     """Where a run's learner checkpoints live (every rank computes the same path)."""
-    base = Path(cfg.learner.checkpoint_dir) if cfg.learner.checkpoint_dir else Path(cfg.run.dir or ".") / "learner"
+    ck = cfg.learner.checkpoint
+    base = Path(ck.dir) if ck.dir else Path(cfg.run.dir or ".") / "learner"
     return base / cfg.run.id
 
 

@@ -130,4 +130,4 @@ class RolloutConfig(ServiceConfig):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     """This service's settings."""
     weights: WeightsSettings = Field(default_factory=WeightsSettings)
-    """How this worker receives policy versions (``fetch``, ``cache_dir``, ``http_token``)."""
+    """How this worker receives policy versions (``transport``, ``http.token``)."""

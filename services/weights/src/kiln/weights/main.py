@@ -42,9 +42,9 @@ async def serve(ctx: ServiceContext) -> None:
     store = VersionStore(store_dir(cfg, w.store_dir), delta=w.delta, keyframe_every=w.keyframe_every)
     db = Database(cfg.database.url, cfg.database.echo)
     url, http_task = "", None
-    if w.http_port >= 0:
+    if w.http.port >= 0:
         url, http_task = await serve_http(
-            build_app(store, db, w.http_token), w.http_host, w.http_port, w.http_token, ctx.stop
+            build_app(store, db, w.http.token), w.http.host, w.http.port, w.http.token, ctx.stop
         )
     public_url = w.public_url or url
     sender = make_sender(w.transport)

@@ -58,7 +58,7 @@ class S3LayerStore:
         client=None,
     ):
         if not bucket:
-            raise ValueError("S3LayerStore needs a bucket (envpool.environments_s3_bucket)")
+            raise ValueError("S3LayerStore needs a bucket (envpool.environments.store.bucket)")
         self.bucket, self.prefix, self.scratch = bucket, prefix.strip("/"), scratch
         self.where = f"s3://{bucket}/{self.prefix}" + (f" at {endpoint_url}" if endpoint_url else "")
         self.client = client or _client(endpoint_url, region)
@@ -119,7 +119,7 @@ def _client(endpoint_url: str, region: str):
         import boto3
         from botocore.config import Config
     except ImportError as e:
-        raise RuntimeError("envpool.environments_store = 's3' needs boto3: pip install 'kiln-envpool[s3]'") from e
+        raise RuntimeError("envpool.environments.store.kind = 's3' needs boto3: pip install 'kiln-envpool[s3]'") from e
     config = Config(retries={"mode": "standard"}, s3={"addressing_style": "path"} if endpoint_url else {})
     return boto3.session.Session().client(
         "s3", endpoint_url=endpoint_url or None, region_name=region or None, config=config

@@ -18,10 +18,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
-class DeprecatedKeyWarning(FutureWarning):
-    """An old config key that still works for one release (a ``FutureWarning``, so
-    operators see it by default, not only test runs)."""
+# one warning for every renamed key (kiln.shared.config_keys); re-exported here
+from kiln.shared.config_keys import DeprecatedKeyWarning  # noqa: F401
 
 
 class _Transport(BaseModel):
