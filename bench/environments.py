@@ -185,7 +185,7 @@ async def main(a) -> None:
                     "semantic_mode": "bm25",
                     "reap_interval_s": 0.2,
                     "http_port": -1,
-                    "environments_root": str(env_root),
+                    "environments": {"root": str(env_root)},
                 },
             }
         )

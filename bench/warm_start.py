@@ -11,7 +11,7 @@ passes when the final workspace equals the task's reference solution (for the
 Reported per stage: SFT loss, greedy pass rate, and the pass rate of samples at
 ``--temperature`` (what GRPO's groups see: with none passing there is no signal to learn
 from), each overall and on the tasks whose target is not the file's first assignment
-(those an imperfect demonstrator, ``learner.sft_wrong_target_rate``, gets wrong).
+(those an imperfect demonstrator, ``learner.warm_start.wrong_target_rate``, gets wrong).
 
     .venv/bin/python bench/warm_start.py --config configs/tiny.toml --seeds 0 1 2 --stages 300 400 500 600 [--stop]
 """
@@ -100,7 +100,7 @@ async def evaluate(
     model, tok, tasks, rcfg, samples: int, tools, temperature: float = 1.0
 ) -> tuple[float, float, float, float]:
     """Greedy and sampled pass rates, overall and on the tasks an imperfect demonstrator
-    (``learner.sft_wrong_target_rate``) gets wrong."""
+    (``learner.warm_start.wrong_target_rate``) gets wrong."""
     engine = TorchEngine(threads=torch.get_num_threads())
     engine.model, engine.version = model.eval(), 0
     greedy = [await episode(t, engine, tok, rcfg, 0.0, 0, tools) for t in tasks]
@@ -129,13 +129,19 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0, help="of the sampled episodes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--stop", action="store_true", help="end where the run would (learner.sft_stop_match) and evaluate there too"
+        "--stop",
+        action="store_true",
+        help="end where the run would (learner.warm_start.stop_match) and evaluate there too",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     for seed in args.seeds:
-        overrides = args.set + [f"run.seed={seed}", "learner.sft_steps=0", f"learner.torch_threads={args.threads}"]
+        overrides = args.set + [
+            f"run.seed={seed}",
+            "learner.warm_start.steps=0",
+            f"learner.torch_threads={args.threads}",
+        ]
         lcfg = load_config(LearnerConfig, args.config, overrides)
         rcfg = load_config(RolloutConfig, args.config, overrides)
         suite = load_suite(lcfg.tasks.suite)
@@ -174,16 +180,16 @@ def main() -> None:
             policy.tokenizer,
             train,
             steps=max(args.stages),
-            lr=lcfg.learner.sft_lr,
-            batch=lcfg.learner.sft_batch,
+            lr=lcfg.learner.warm_start.lr,
+            batch=lcfg.learner.warm_start.batch,
             seed=seed,
             tools=lcfg.tasks.tools,
-            stop_match=lcfg.learner.sft_stop_match if args.stop else 0.0,
-            wrong_target_rate=lcfg.learner.sft_wrong_target_rate,
-            prose_fix_rate=lcfg.learner.sft_prose_fix_rate,
+            stop_match=lcfg.learner.warm_start.stop_match if args.stop else 0.0,
+            wrong_target_rate=lcfg.learner.warm_start.wrong_target_rate,
+            prose_fix_rate=lcfg.learner.warm_start.prose_fix_rate,
             on_step=on_step,
         )
-        if len(losses) not in args.stages:  # where learner.sft_stop_match ended it
+        if len(losses) not in args.stages:  # where learner.warm_start.stop_match ended it
             args.stages.append(len(losses))
             on_step(len(losses), losses)
             args.stages.pop()

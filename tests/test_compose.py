@@ -40,7 +40,7 @@ LOOPBACK = "127.0.0.1"
 
 
 class _MigrateConfig(ServiceConfig):
-    """What ``kiln db upgrade`` reads (``cmd_db_upgrade`` in kiln.shared.cli)."""
+    """What ``kiln db upgrade`` reads (``cmd_db_upgrade`` in kiln.ops.cli)."""
 
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
 
@@ -554,13 +554,13 @@ def test_every_kiln_service_exposes_metrics_prometheus_scrapes(compose, registry
     for name, port in targets.items():
         env = _env(_service(compose, name))
         if name == "env-pool":  # its operator API serves /metrics
-            assert env["KILN_ENVPOOL__HTTP_PORT"] == str(port) and env["KILN_ENVPOOL__HTTP_TOKEN"]
+            assert env["KILN_ENVPOOL__HTTP__PORT"] == str(port) and env["KILN_ENVPOOL__HTTP__TOKEN"]
         else:
-            assert env["KILN_TELEMETRY__METRICS_PORT"] == str(port), name
-            assert env["KILN_TELEMETRY__METRICS_HOST"] == "0.0.0.0" and env["KILN_TELEMETRY__METRICS_TOKEN"], name
+            assert env["KILN_TELEMETRY__METRICS__PORT"] == str(port), name
+            assert env["KILN_TELEMETRY__METRICS__HOST"] == "0.0.0.0" and env["KILN_TELEMETRY__METRICS__TOKEN"], name
     prometheus = _service(compose, "prometheus")
     assert "METRICS_TOKEN" in str(prometheus["entrypoint"])
-    assert _env(prometheus)["METRICS_TOKEN"] == env["KILN_TELEMETRY__METRICS_TOKEN"], (
+    assert _env(prometheus)["METRICS_TOKEN"] == env["KILN_TELEMETRY__METRICS__TOKEN"], (
         "Prometheus scrapes with another token"
     )
 

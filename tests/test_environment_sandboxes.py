@@ -93,7 +93,7 @@ async def node(nats_server, bus, run_dir, suite, env_root):
         "workspace_quota_bytes": 24 * MiB,
         "max_file_bytes": 64 * MiB,
         "memory_bytes": 256 * MiB,
-        "environments_root": str(env_root),
+        "environments": {"root": str(env_root)},
     }
     p = InProcessPlatform(
         experiment(run_dir, nats_server.url, "sqlite://", envpool=envpool, tasks={"suite": str(suite)})
@@ -237,7 +237,7 @@ async def test_an_environment_that_cannot_be_built_is_a_clear_error(nats_server,
     }
     t = Task(id="t-broken", problem_statement="x", files={"a.py": "1\n"}, fail_to_pass=["x"], environment="broken")
     write_suite(tmp_path, [t], [bad])
-    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)}
+    envpool = {"backend": "bwrap", "warm_per_task": 0, "environments": {"root": str(env_root)}}
     p = InProcessPlatform(
         experiment(
             run_dir, nats_server.url, "sqlite://", envpool=envpool, tasks={"suite": str(tmp_path / "suite.toml")}
@@ -291,7 +291,7 @@ async def test_a_run_sets_aside_an_environment_that_cannot_be_built(
         nats_server.url,
         pg_url,
         tasks={"suite": str(mixed)},
-        envpool={"backend": "bwrap", "warm_per_task": 0, "environments_root": str(env_root)},
+        envpool={"backend": "bwrap", "warm_per_task": 0, "environments": {"root": str(env_root)}},
         learner={"deadline_check_s": 0.5, "tokenizer_corpus_repeats": 1, "max_dropped_groups": 50},
     )
     p = InProcessPlatform(exp)

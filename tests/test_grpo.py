@@ -300,7 +300,7 @@ def test_reference_is_version_zero(precision):
     from kiln.shared.tasks import load_suite
 
     overrides = [
-        f"learner.precision={precision}",
+        f"learner.precision.mode={precision}",
         "algorithm.kl_coef=0.1",
         "algorithm.max_staleness=1",
         "model.hidden_size=32",

@@ -8,7 +8,7 @@ against kiln itself, which a schema cannot know:
   each service's settings load from that environment and the experiment ConfigMap;
 - credentials (NATS users and passwords, tokens, the database URL) only come from
   Secrets, which ``make_secrets.py`` generates, one NATS user per service with the
-  subject permissions of ``kiln.shared.busauth`` (also in nats-values.yaml);
+  subject permissions of ``kiln.shared.bus.auth`` (also in nats-values.yaml);
 - pods meet Pod Security "restricted" (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), except what env-pool's sandboxes need, which
   is named and justified on the pod and nowhere else;
@@ -32,7 +32,7 @@ import pytest
 import yaml
 from test_compose import COMPOSE_FILE, _interpolate, _MigrateConfig, _resolve_env_key
 
-from kiln.shared.busauth import ADMIN, denied
+from kiln.shared.bus.auth import ADMIN, denied
 from kiln.shared.config import load_config
 from kiln.shared.registry import discover
 
@@ -188,13 +188,15 @@ def test_every_kiln_compose_service_has_a_workload_with_its_image(objects, compo
 def test_the_learner_is_one_resumable_stateful_pod_with_a_gpu(objects, registry):
     learner = _workloads(objects)["learner"]
     assert learner["kind"] == "StatefulSet" and learner["spec"]["replicas"] == 1
-    assert registry["learner"].config_class()().learner.resume, "a restarted learner must resume (learner.resume)"
+    assert registry["learner"].config_class()().learner.checkpoint.resume, (
+        "a restarted learner must resume (learner.checkpoint.resume)"
+    )
     c = _pod(learner)["spec"]["containers"][0]
     assert c["resources"]["limits"].get("nvidia.com/gpu") == "1"
     env = _env(objects, c)
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     claims = {t["metadata"]["name"] for t in learner["spec"]["volumeClaimTemplates"]}
-    assert mounts.get(env["KILN_LEARNER__CHECKPOINT_DIR"]["value"]) in claims, (
+    assert mounts.get(env["KILN_LEARNER__CHECKPOINT__DIR"]["value"]) in claims, (
         "checkpoints must be on the pod's own volume"
     )
     service = _by_kind(objects, "Service")[learner["spec"]["serviceName"]]
@@ -418,7 +420,7 @@ def test_probes_reach_what_the_service_serves(objects, name):
     env = _env(objects, c)
     probes = [c[p] for p in ("livenessProbe", "readinessProbe", "startupProbe") if p in c]
     assert "livenessProbe" in c, f"{name} has no liveness probe"
-    http_port = {"env-pool": "KILN_ENVPOOL__HTTP_PORT", "weights": "KILN_WEIGHTS__HTTP_PORT"}.get(name)
+    http_port = {"env-pool": "KILN_ENVPOOL__HTTP__PORT", "weights": "KILN_WEIGHTS__HTTP__PORT"}.get(name)
     for p in probes:
         if http_port:  # an unauthenticated /healthz on the operator API
             assert p["httpGet"]["path"] == "/healthz" and _port(c, p["httpGet"]["port"]) == int(
@@ -431,8 +433,8 @@ def test_probes_reach_what_the_service_serves(objects, name):
                 "{service}", name
             )
             assert float(argv[argv.index("--max-age") + 1]) > 5
-    assert _port(c, "metrics") == int(env["KILN_TELEMETRY__METRICS_PORT"]["value"]), f"{name}: /metrics port"
-    assert env["KILN_TELEMETRY__METRICS_TOKEN"].get("secret"), f"{name}: /metrics beyond loopback needs its token"
+    assert _port(c, "metrics") == int(env["KILN_TELEMETRY__METRICS__PORT"]["value"]), f"{name}: /metrics port"
+    assert env["KILN_TELEMETRY__METRICS__TOKEN"].get("secret"), f"{name}: /metrics beyond loopback needs its token"
 
 
 def test_services_only_for_what_must_be_reachable(objects):
@@ -449,7 +451,7 @@ def test_services_only_for_what_must_be_reachable(objects):
     assert url.hostname == "kiln-weights" and url.port == services["kiln-weights"]["spec"]["ports"][0]["port"]
     for name in ("rollout", "rollout-eval"):
         env = _env(objects, _pod(workloads[name])["spec"]["containers"][0])
-        assert env["KILN_WEIGHTS__TRANSPORT__KIND"]["value"] == "http" and env["KILN_WEIGHTS__HTTP_TOKEN"][
+        assert env["KILN_WEIGHTS__TRANSPORT__KIND"]["value"] == "http" and env["KILN_WEIGHTS__HTTP__TOKEN"][
             "secret"
         ] == ("kiln-weights-http", "token")
 
@@ -482,7 +484,7 @@ def test_every_kiln_pod_is_under_the_default_deny(objects):
 
 
 def test_ray_overlay_launches_the_learner_through_ray(objects, registry, generated_secrets):
-    """deploy/k8s/ray: the learner patched to ``launcher = "ray"`` and a KubeRay cluster
+    """deploy/k8s/ray: the learner patched to ``launcher.kind = "ray"`` and a KubeRay cluster
     (no schema for its CRD here: checked for what kiln needs of it)."""
     ray_dir = K8S / "ray"
     kz = yaml.safe_load((ray_dir / "kustomization.yaml").read_text())
@@ -497,7 +499,10 @@ def test_ray_overlay_launches_the_learner_through_ray(objects, registry, generat
     cls = registry["learner"].config_class()
     problems = [why for k in env if k.startswith("KILN_") and (why := _resolve_env_key(k, [cls]))]
     assert not problems, problems
-    assert env["KILN_LEARNER__LAUNCHER"]["value"] == "ray" and env["KILN_LEARNER__RAY_ADDRESS"]["value"] == "auto"
+    assert (
+        env["KILN_LEARNER__LAUNCHER__KIND"]["value"] == "ray"
+        and env["KILN_LEARNER__LAUNCHER__ADDRESS"]["value"] == "auto"
+    )
     assert c["command"][-1].endswith("exec python -m " + registry["learner"].module)
     made = {s["metadata"]["name"]: s["stringData"] for s in generated_secrets}
     cluster = _docs(ray_dir / "raycluster.yaml")[0]
@@ -518,7 +523,7 @@ def test_ray_overlay_launches_the_learner_through_ray(objects, registry, generat
         }
         assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kiln"
     workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
-    checkpoints = PurePosixPath(env["KILN_LEARNER__CHECKPOINT_DIR"]["value"])
+    checkpoints = PurePosixPath(env["KILN_LEARNER__CHECKPOINT__DIR"]["value"])
     assert any(
         PurePosixPath(m["mountPath"]) in checkpoints.parents for m in workers["containers"][0]["volumeMounts"]
     ), "every rank writes its checkpoint shards: the workers must mount the learner's checkpoint folder"

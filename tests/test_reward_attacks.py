@@ -378,7 +378,7 @@ async def test_every_attack_scores_zero_and_the_real_fix_one(
     envpool = {
         "backend": "bwrap",
         "warm_per_task": 0,
-        "environments_root": str(env_root),
+        "environments": {"root": str(env_root)},
         "workspace_quota_bytes": 16 * MiB,
         "diff_max_files": 1000,
     }

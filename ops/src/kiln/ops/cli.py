@@ -88,6 +88,9 @@ def config_reference() -> str:
             d = json.dumps(default) if not isinstance(default, str) else f'"{default}"'
             out.append(f"| `{key}` | {typ} | `{d}` | {' '.join(desc.split())} |")
         out.append("")
+    from kiln.shared.config_keys import migration_markdown
+
+    out += migration_markdown()
     return "\n".join(out)
 
 
@@ -138,7 +141,7 @@ def _environment_cache(root: str):
     from kiln.envpool.environments import EnvironmentCache
 
     settings = EnvPoolSettings()
-    return EnvironmentCache(Path(root or settings.environments_root), settings.environments_budget_bytes)
+    return EnvironmentCache(Path(root or settings.environments.root), settings.environments.budget_bytes)
 
 
 def cmd_tasks_validate(a) -> int:
@@ -311,8 +314,8 @@ def cmd_env_build(a) -> int:
             print(f"kiln env build: no environment named {sorted(missing)} in {a.file}", file=sys.stderr)
             return 2
     settings = EnvPoolSettings()
-    root = a.root or settings.environments_root
-    budget = a.budget_bytes if a.budget_bytes is not None else settings.environments_budget_bytes
+    root = a.root or settings.environments.root
+    budget = a.budget_bytes if a.budget_bytes is not None else settings.environments.budget_bytes
 
     async def build_all() -> int:
         cache = EnvironmentCache(Path(root), budget)
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="OUT.jsonl",
         help="write the valid tasks there (and a suite TOML beside it when they name environments)",
     )
-    tv.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments_root)")
+    tv.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments.root)")
     tv.set_defaults(fn=cmd_tasks)
     ts = t.add_parser("synth", help="synthesize tasks from real packages' own tests (SWE-smith style)")
     ts.add_argument(
@@ -404,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ts.add_argument("--jobs", type=int, default=2, help="candidate test runs at once")
     ts.add_argument("--interpreter", default="python3.11", help="the environments' venv interpreter")
-    ts.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments_root)")
+    ts.add_argument("--root", default="", help="environment cache folder (default: env-pool's environments.root)")
     ts.set_defaults(fn=cmd_tasks)
     ti = t.add_parser("import", help="import a public set (SWE-bench, SWE-Gym, SWE-smith, R2E-Gym) as a suite")
     ti.add_argument("file", help="the set's JSONL (or JSON list) of instances")
@@ -471,8 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     eb = env.add_parser("build", help="build the environments of a spec file into this node's cache")
     eb.add_argument("file", help="TOML or JSON file of [[environments]] specs")
     eb.add_argument("--name", action="append", default=[], help="only this environment (repeatable)")
-    eb.add_argument("--root", default="", help="cache folder (default: env-pool's environments_root)")
-    eb.add_argument("--budget-bytes", type=int, default=None, help="cache budget (default: environments_budget_bytes)")
+    eb.add_argument("--root", default="", help="cache folder (default: env-pool's environments.root)")
+    eb.add_argument("--budget-bytes", type=int, default=None, help="cache budget (default: environments.budget_bytes)")
     eb.set_defaults(fn=cmd_env_build)
     a = p.parse_args(argv)
     sys.exit(a.fn(a))

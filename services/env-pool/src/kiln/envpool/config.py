@@ -1,17 +1,82 @@
-"""env-pool settings (section ``[envpool]`` of the experiment file)."""
+"""env-pool settings (section ``[envpool]`` of the experiment file); the built
+environments are ``[envpool.environments]``, their layer store a union on ``kind`` whose
+variants carry only their own keys. The flat keys of earlier releases still load
+(``kiln.shared.config_keys``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from kiln.shared.config import Section, ServiceConfig, TaskSettings
+from kiln.shared.config import ListenAddress, Section, ServiceConfig, TaskSettings, one_variant
+from kiln.shared.config_keys import renamed_in
 
 MiB = 1024 * 1024
 
 
+class NatsLayers(Section):
+    """Built layers in the ``kiln-environments`` JetStream object store."""
+
+    kind: Literal["nats"] = "nats"
+    """Where built layers are shared between nodes, so each is built once per cluster:
+    ``nats``: the ``kiln-environments`` JetStream object store; ``s3``: a bucket of any
+    S3-compatible service (needs ``kiln-envpool[s3]``); ``none``: every node builds its own."""
+
+
+class S3Layers(Section):
+    """Built layers in a bucket of any S3-compatible service."""
+
+    kind: Literal["s3"]
+    bucket: str = ""
+    """The bucket (required; it must exist). Credentials come from the standard AWS chain
+    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, an instance or pod
+    role), never from this file."""
+    prefix: str = "kiln/environments"
+    """Key prefix of the layers: one ``<prefix>/<digest>.tar.gz`` object per layer."""
+    endpoint_url: str = ""
+    """S3 endpoint; empty = AWS. Any other (MinIO, Ceph RGW, R2...) is addressed path-style."""
+    region: str = ""
+    """S3 region; empty = the AWS chain's (``AWS_REGION``, the profile)."""
+
+    @model_validator(mode="after")
+    def _needs_a_bucket(self):
+        if not self.bucket:
+            raise ValueError('envpool.environments.store.kind = "s3" needs envpool.environments.store.bucket')
+        return self
+
+
+class NoLayers(Section):
+    """No sharing: every node builds its own layers."""
+
+    kind: Literal["none"]
+
+
+LayerStore = Annotated[NatsLayers | S3Layers | NoLayers, Field(discriminator="kind")]
+
+
+class EnvironmentsSettings(Section):
+    """This node's built environments (layers, uv cache; see docs/environments.md)."""
+
+    root: str = "/var/tmp/kiln-environments"
+    """Folder of this node's built environments. On disk, not tmpfs: environments are
+    large. Shared by every env-pool process of the node."""
+    budget_bytes: int = Field(default=64 * 1024 * MiB, ge=0)
+    """Disk the built environments may take; past it the least recently used ones not in use
+    are removed."""
+    store: LayerStore = Field(default_factory=NatsLayers)
+    """Where built layers are shared between nodes: one of the ``kind`` variants below."""
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_kind(cls, v: Any) -> Any:
+        return one_variant(v, "nats", (NatsLayers, S3Layers, NoLayers))
+
+
 class EnvPoolSettings(Section):
+    renamed_from: ClassVar[str] = "envpool"
+    deprecated_keys: ClassVar[dict[str, str]] = renamed_in("envpool")
+
     node_id: str = ""
     """This node's id in its own subjects; empty = the service instance id."""
     backend: Literal["bwrap", "process"] = "bwrap"
@@ -65,7 +130,7 @@ class EnvPoolSettings(Section):
     sandbox_uid_base: int = 200_000
     """As root, sandbox slot ``n`` runs as host uid/gid ``base + n`` (one uid per sandbox)."""
     seccomp: bool = True
-    """``bwrap`` backend: a seccomp filter on every sandboxed command (``kiln.envpool.seccomp``,
+    """``bwrap`` backend: a seccomp filter on every sandboxed command (``kiln.envpool.isolation.seccomp``,
     compiled with libseccomp once per node): ptrace and other processes' memory, mount
     syscalls, new namespaces (``unshare``, ``setns``, namespace flags of ``clone``, ``clone3``),
     keyring, BPF, perf, io_uring, userfaultfd, modules, kexec, reboot, swap, clock setting and
@@ -95,39 +160,10 @@ class EnvPoolSettings(Section):
     (embeddings once the model is loaded, BM25 until then or if it is not installed)."""
     snapshot_ttl_s: float = 7 * 24 * 3600
     """How long snapshots stay in the ``kiln-snapshots`` object store."""
-    http_host: str = "127.0.0.1"
-    """Bind address of the operator HTTP API. Anything but loopback requires ``http_token``."""
-    http_port: int = 0
-    """Port of the operator HTTP API; 0 = a free port (logged and in the node stats), -1 = off."""
-    http_token: str = ""
-    """Bearer token the HTTP API requires (every route but ``/healthz``) when set."""
-    environments_root: str = "/var/tmp/kiln-environments"
-    """Folder of this node's built environments (layers, uv cache; see docs/environments.md).
-    On disk, not tmpfs: environments are large. Shared by every env-pool process of the node."""
-    environments_budget_bytes: int = Field(default=64 * 1024 * MiB, ge=0)
-    """Disk the built environments may take; past it the least recently used ones not in use
-    are removed."""
-    environments_store: Literal["nats", "s3", "none"] = "nats"
-    """Where built layers are shared between nodes, so each is built once per cluster:
-    ``nats``: the ``kiln-environments`` JetStream object store; ``s3``: a bucket of any
-    S3-compatible service (the ``environments_s3_*`` settings; needs ``kiln-envpool[s3]``);
-    ``none``: every node builds its own."""
-    environments_s3_bucket: str = ""
-    """``environments_store = "s3"``: the bucket (required; it must exist). Credentials come
-    from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-    ``AWS_PROFILE``, an instance or pod role), never from this file."""
-    environments_s3_prefix: str = "kiln/environments"
-    """Key prefix of the layers: one ``<prefix>/<digest>.tar.gz`` object per layer."""
-    environments_s3_endpoint_url: str = ""
-    """S3 endpoint; empty = AWS. Any other (MinIO, Ceph RGW, R2...) is addressed path-style."""
-    environments_s3_region: str = ""
-    """S3 region; empty = the AWS chain's (``AWS_REGION``, the profile)."""
-
-    @model_validator(mode="after")
-    def _s3_needs_a_bucket(self):
-        if self.environments_store == "s3" and not self.environments_s3_bucket:
-            raise ValueError('envpool.environments_store = "s3" needs envpool.environments_s3_bucket')
-        return self
+    http: ListenAddress = Field(default_factory=ListenAddress)
+    """The operator HTTP API (-1: off)."""
+    environments: EnvironmentsSettings = Field(default_factory=EnvironmentsSettings)
+    """This node's built environments (see docs/environments.md)."""
 
 
 class EnvPoolConfig(ServiceConfig):

@@ -31,16 +31,17 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from kiln.envpool import bwrap, overlay
 from kiln.envpool.api import build_app
-from kiln.envpool.cgroups import CgroupManager
 from kiln.envpool.config import EnvPoolConfig, EnvPoolSettings
-from kiln.envpool.launcher import Launcher
+from kiln.envpool.isolation import bwrap
+from kiln.envpool.isolation.cgroups import CgroupManager
+from kiln.envpool.isolation.sandbox import Identity, ProcessSandbox
+from kiln.envpool.isolation.spawner import Spawner
 from kiln.envpool.metrics import NodeMetrics
 from kiln.envpool.pool import SandboxPool
-from kiln.envpool.sandbox import Identity, ProcessSandbox
-from kiln.envpool.search import SemanticIndex
-from kiln.envpool.tools import ToolExecutor
+from kiln.envpool.tools.executor import ToolExecutor
+from kiln.envpool.tools.search import SemanticIndex
+from kiln.envpool.workspaces import overlay
 from kiln.shared import contracts as c
 from kiln.shared.bus import ServiceError
 from kiln.shared.http import serve_http
@@ -78,14 +79,14 @@ def workspace_root(s: EnvPoolSettings, run_dir: str, node_id: str) -> Path:
     return base / f"{node_id}-{os.getpid()}"
 
 
-async def sandbox_factory(s: EnvPoolSettings, root: Path, launcher: Launcher):
+async def sandbox_factory(s: EnvPoolSettings, root: Path, spawner: Spawner):
     """The backend's constructor, after checking that it can run here."""
     if s.backend == "process":
         log.error(
             "UNSAFE: envpool.backend = 'process' runs agent commands without any isolation "
             "(host network, host files); use it only for development"
         )
-        return lambda sid, ws, lim, ident, cg: ProcessSandbox(sid, ws, lim, ident, cg, launcher)
+        return lambda sid, ws, lim, ident, cg: ProcessSandbox(sid, ws, lim, ident, cg, spawner)
     etc = root / "etc"
     bwrap.write_identity_files(etc)
     system = bwrap.system_args(s.ro_binds, etc, seccomp=s.seccomp)
@@ -97,9 +98,9 @@ async def sandbox_factory(s: EnvPoolSettings, root: Path, launcher: Launcher):
         os.chown(probe_ws, uid, uid)
         identity = Identity(uid, uid)
     bwrap_binary = bwrap.bwrap_binary()  # a clear error if it is not installed at all
-    await bwrap.probe(system, identity, probe_ws, launcher)
+    await bwrap.probe(system, identity, probe_ws, spawner)
     log.info("bubblewrap sandboxes work here (%s)", bwrap_binary)
-    return lambda sid, ws, lim, ident, cg: bwrap.BwrapSandbox(sid, ws, lim, ident, cg, launcher, system=system)
+    return lambda sid, ws, lim, ident, cg: bwrap.BwrapSandbox(sid, ws, lim, ident, cg, spawner, system=system)
 
 
 async def snapshot_store(ctx: ServiceContext, ttl_s: float):
@@ -117,16 +118,15 @@ async def snapshot_store(ctx: ServiceContext, ttl_s: float):
 
 
 def layer_store(s: EnvPoolSettings, js, replicas: int = 1):
-    """Where this node shares built environment layers (``envpool.environments_store``)."""
+    """Where this node shares built environment layers (``envpool.environments.store``)."""
     from kiln.envpool.environments import NatsLayerStore, S3LayerStore
 
-    if s.environments_store == "s3":
-        store = S3LayerStore(
-            s.environments_s3_bucket, s.environments_s3_prefix, s.environments_s3_endpoint_url, s.environments_s3_region
-        )
+    st = s.environments.store
+    if st.kind == "s3":
+        store = S3LayerStore(st.bucket, st.prefix, st.endpoint_url, st.region)
         log.info("environment layers are shared through %s", store.where)
         return store
-    return NatsLayerStore(js, replicas=replicas) if s.environments_store == "nats" else None
+    return NatsLayerStore(js, replicas=replicas) if st.kind == "nats" else None
 
 
 def raise_open_files_limit() -> None:
@@ -157,11 +157,11 @@ async def serve(ctx: ServiceContext) -> None:
     boot = uuid.uuid4().hex[:16]  # sandboxes do not outlive their process: a restart is a new boot
     root = workspace_root(s, cfg.run.dir, node_id)
     root.mkdir(parents=True, exist_ok=True)
-    launcher = Launcher()
+    spawner = Spawner()
     try:
-        factory = await sandbox_factory(s, root, launcher)
+        factory = await sandbox_factory(s, root, spawner)
     except BaseException:
-        await launcher.close()
+        await spawner.close()
         raise
     cgroups = CgroupManager(node_id)
     put, get = await snapshot_store(ctx, s.snapshot_ttl_s)
@@ -171,8 +171,8 @@ async def serve(ctx: ServiceContext) -> None:
         from kiln.envpool.environments import EnvironmentCache
 
         environments = EnvironmentCache(
-            Path(s.environments_root),
-            s.environments_budget_bytes,
+            Path(s.environments.root),
+            s.environments.budget_bytes,
             layer_store(s, ctx.bus.js, ctx.bus.settings.stream_replicas),
         )
     else:
@@ -288,9 +288,9 @@ async def serve(ctx: ServiceContext) -> None:
     for op, handler in handlers.items():
         await bus.serve(c.envpool_node_subject(node_id, op), c.ENVPOOL_NODE_MESSAGES[op][0], handler)
     http_task = None
-    if s.http_port >= 0:
+    if s.http.port >= 0:
         http_url, http_task = await serve_http(
-            build_app(node_id, pool, metrics, s.http_token), s.http_host, s.http_port, s.http_token, ctx.stop
+            build_app(node_id, pool, metrics, s.http.token), s.http.host, s.http.port, s.http.token, ctx.stop
         )
     ctx.health_detail.update(node_id=node_id, backend=s.backend, cgroups=cgroups.mode, http_url=http_url)
     ctx.ready.set()
@@ -317,7 +317,7 @@ async def serve(ctx: ServiceContext) -> None:
         while pool.creating:  # each ends as a lease or warm sandbox, which close destroys
             await asyncio.sleep(0.05)
         await pool.close()
-        await launcher.close()
+        await spawner.close()
         if http_task is not None:
             ctx.stop.set()
             await http_task

@@ -4,7 +4,7 @@ Starts the run (its database row), trains the tokenizer and initial policy and h
 version 0 to the weights service (or, when the run has a learner checkpoint, restores
 the whole state and takes the run up where it stopped; on a multi-rank world this is
 rank 0, and ranks 1.. run ``kiln.learner.follower``: under torchrun as processes of their own,
-with ``learner.launcher = "ray"`` as Ray actors this process starts), then reacts: every published version lets the
+with ``learner.launcher.kind = "ray"`` as Ray actors this process starts), then reacts: every published version lets the
 controller dispatch more groups, every scored trajectory goes to the trainer.
 
 Invariants: the controller alone ends the run (``Controller.finish_run``; the trainer
@@ -55,9 +55,9 @@ async def serve(ctx: ServiceContext) -> None:
             evals = EvalCollector(ctx.bus, db, suite)
             await evals.watch()
         controller = Controller(ctx, db, suite, evals)
-        checkpointer = Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint_keep)
-        meta = checkpointer.latest() if cfg.learner.resume else None
-        if cfg.learner.launcher == "ray" and dims_of(cfg).world > 1:
+        checkpointer = Checkpointer(checkpoint_root(cfg), keep=cfg.learner.checkpoint.keep)
+        meta = checkpointer.latest() if cfg.learner.checkpoint.resume else None
+        if cfg.learner.launcher.kind == "ray" and dims_of(cfg).world > 1:
             ray_ranks = await asyncio.to_thread(start_ray_ranks, cfg, follower)
             watch_ranks = asyncio.create_task(_watch_ray_ranks(ctx, ray_ranks))
         world = await asyncio.to_thread(join, cfg)

@@ -123,7 +123,7 @@ class Trainer:
             self.checkpointer.save(p.model, p.optimizer, p.scheduler, meta, asynchronous=False)
         else:
             self.checkpointer.save(
-                p.model, p.optimizer, p.scheduler, meta, asynchronous=self.cfg.learner.checkpoint_async
+                p.model, p.optimizer, p.scheduler, meta, asynchronous=self.cfg.learner.checkpoint.asynchronous
             )
 
     async def on_scored(self, scored: c.ScoredTrajectory, delivery: Delivery) -> None:

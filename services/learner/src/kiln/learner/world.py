@@ -1,7 +1,7 @@
 """The learner on a multi-rank world: rank 0 serves, the other ranks follow.
 
-With ``learner.dp_shard * learner.ep > 1`` the learner process is started by torchrun
-(``kiln run`` does it, see ``command``), or, with ``learner.launcher = "ray"``, it is
+With ``learner.parallelism.dp_shard * ep > 1`` the learner process is started by torchrun
+(``kiln run`` does it, see ``command``), or, with ``learner.launcher.kind = "ray"``, it is
 started alone and starts ranks 1.. as Ray actors itself (``start_ray_ranks``). Every rank builds the same
 policy (tokenizer and weights from ``run.seed``) and shards it (expert parallelism +
 FSDP2, ``kiln.learner.parallel``). Only rank 0 talks to NATS and the database; it drives
@@ -55,7 +55,7 @@ class World:
 
 
 def dims_of(cfg) -> ParallelDims:
-    return ParallelDims(dp_shard=cfg.learner.dp_shard, ep=cfg.learner.ep)
+    return ParallelDims(dp_shard=cfg.learner.parallelism.dp_shard, ep=cfg.learner.parallelism.ep)
 
 
 def join(cfg) -> World | None:
@@ -94,7 +94,7 @@ def follow(world: World, policy, checkpointer) -> None:
 
 
 def start_ray_ranks(cfg, follower):
-    """Rank 0 of a Ray-launched world: connect to the cluster at ``learner.ray_address``
+    """Rank 0 of a Ray-launched world: connect to the cluster at ``learner.launcher.address``
     and start ``follower(cfg)`` (``kiln.learner.follower.follower``) on ranks 1..
     (``kiln.learner.launch.ray_followers``). The followers get the resolved settings
     without the bus and database credentials, which only rank 0 uses. ``follower`` must
@@ -106,7 +106,7 @@ def start_ray_ranks(cfg, follower):
 
     lc = cfg.learner
     if not ray.is_initialized():
-        ray.init(address=lc.ray_address, log_to_driver=True)
+        ray.init(address=lc.launcher.address, log_to_driver=True)
     shipped = cfg.model_copy(
         update={
             "nats": cfg.nats.model_copy(update={"user": "", "password": ""}),
@@ -117,12 +117,12 @@ def start_ray_ranks(cfg, follower):
         follower,
         dims_of(cfg).world,
         args=(shipped,),
-        cpus_per_rank=lc.ray_cpus_per_rank,
-        gpus_per_rank=lc.ray_gpus_per_rank,
-        strategy=lc.ray_strategy,
+        cpus_per_rank=lc.launcher.cpus_per_rank,
+        gpus_per_rank=lc.launcher.gpus_per_rank,
+        strategy=lc.launcher.strategy,
         env={"OMP_NUM_THREADS": str(lc.torch_threads)},
-        master_addr=lc.rendezvous_host,
-        master_port=lc.rendezvous_port,
+        master_addr=lc.launcher.rendezvous_host,
+        master_port=lc.launcher.rendezvous_port,
     )
 
 
@@ -130,6 +130,6 @@ def command(cfg, module: str) -> list[str]:
     """argv prefix ``kiln run`` uses to start the learner: torchrun for a multi-rank world
     (the Ray launcher starts its own ranks from the one process)."""
     n = dims_of(cfg).world
-    if n == 1 or cfg.learner.launcher == "ray":
+    if n == 1 or cfg.learner.launcher.kind == "ray":
         return [sys.executable, "-m", module]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--standalone", "-m", module]

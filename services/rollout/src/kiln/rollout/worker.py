@@ -68,7 +68,7 @@ class RolloutWorker:
             on_served=self._version_served,
             cache_dir=Path(self.cfg.run.dir or ".") / "weights-cache" / ctx.instance,
             delta=self.cfg.weights.delta,
-            http_token=self.cfg.weights.http_token,
+            http_token=self.cfg.weights.http.token,
             eval_worker=self.cfg.rollout.role == "eval",
         )
         """Where versions come from (``kiln.shared.weights.transport``); the worker only waits on it."""
