@@ -152,7 +152,7 @@ async def test_openai_client_tools_stream_samples_and_exact_tokens(endpoint):
 
 async def test_a_harness_that_rewrites_history_splits_the_trajectory(endpoint):
     new, _ = endpoint
-    engine = Scripted(["First answer.", "Second answer.", "Third."])
+    engine = Scripted(["First answer.", "Second answer.", "Third.", "Fourth."])
     ep, client = new(engine)
     msgs = [{"role": "user", "content": "task"}]
     a = (await client.chat.completions.create(model="m", messages=msgs)).choices[0].message.content
@@ -160,10 +160,15 @@ async def test_a_harness_that_rewrites_history_splits_the_trajectory(endpoint):
     await client.chat.completions.create(model="m", messages=msgs)
     # A summarising harness replaces the history.
     summary = [{"role": "user", "content": "task (summary: we answered twice)"}]
+    c3 = (await client.chat.completions.create(model="m", messages=summary)).choices[0].message.content
+    # ...and goes on from the summary: that call extends the new segment, it opens no other.
+    summary += [{"role": "assistant", "content": c3}, {"role": "user", "content": "go on"}]
     await client.chat.completions.create(model="m", messages=summary)
     ep.finish()
     (seg,) = ep.segments
     assert "does not extend" in seg.reason and "rewrote" in seg.reason
+    assert [call.extended for call in ep.calls] == [False, True, False, True]
+    assert engine.prompts[-1] == ep.seq.ids[seg.start : seg.start + len(engine.prompts[-1])]
     traj = c.Trajectory(
         run_id="r",
         trajectory_id="t",

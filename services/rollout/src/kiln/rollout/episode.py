@@ -284,15 +284,20 @@ class Episode:
 
     def stitch(self, prompt: list[int], spans: list[tuple[int, Completion]]) -> bool:
         """Append the prompt's new tokens; True when it extended the trajectory."""
-        n = len(self.seq.ids)
-        extends = n > 0 and prompt[:n] == self.seq.ids
+        # A prompt extends the current segment (the tokens since the last restart), not
+        # the whole trajectory: after one rewrite, later calls extend the new segment.
+        base = self.segments[-1].start if self.segments else 0
+        current = self.seq.ids[base:]
+        n = len(current)
+        extends = n > 0 and prompt[:n] == current
         if n and not extends:
             self.finish()  # what the last call generated closes the segment it belongs to
-            n = len(self.seq.ids)
-            at = next((k for k, (a, b) in enumerate(zip(prompt, self.seq.ids)) if a != b), min(len(prompt), n))
+            current = self.seq.ids[base:]
+            n = len(current)
+            at = next((k for k, (a, b) in enumerate(zip(prompt, current)) if a != b), min(len(prompt), n))
             self.segments.append(
                 c.Segment(
-                    start=n,
+                    start=len(self.seq.ids),
                     reason=(
                         f"call {self.ncalls}'s prompt does not extend the episode's tokens (it differs at token {at} of {n}): "
                         "the harness rewrote, truncated or summarised its history"
