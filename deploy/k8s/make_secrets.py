@@ -4,7 +4,7 @@
         | kubectl -n kiln create -f -
 
 - ``kiln-nats-<user>`` (keys ``user``, ``password``): one NATS credential per service,
-  as ``kiln run`` makes for a local run (``kiln.shared.busauth``); each kiln pod reads its
+  as ``kiln run`` makes for a local run (``kiln.shared.bus.auth``); each kiln pod reads its
   own as ``KILN_NATS__USER``/``KILN_NATS__PASSWORD``, the NATS server reads them all
   (nats-values.yaml), and ``launcher`` is the operator's (``kiln`` commands);
 - ``kiln-metrics``, ``kiln-weights-http``, ``kiln-dashboard`` (key ``token``): bearer
@@ -24,7 +24,7 @@ import json
 import secrets
 
 NATS_USERS = ("launcher", "env-pool", "weights", "reward", "rollout", "learner")
-"""``kiln.shared.busauth``'s admin user and every service's (tests/test_k8s.py checks)."""
+"""``kiln.shared.bus.auth``'s admin user and every service's (tests/test_k8s.py checks)."""
 TOKENS = ("kiln-metrics", "kiln-weights-http", "kiln-dashboard")
 
 
