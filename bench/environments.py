@@ -184,7 +184,7 @@ async def main(a) -> None:
                     "warm_per_task": a.warm,
                     "semantic_mode": "bm25",
                     "reap_interval_s": 0.2,
-                    "http_port": -1,
+                    "http": {"port": -1},
                     "environments": {"root": str(env_root)},
                 },
             }

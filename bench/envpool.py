@@ -91,7 +91,7 @@ async def main(n: int, concurrency: int, idle: int, nodes: int, stop_grace: floa
                     "warm_per_task": 4,
                     "semantic_mode": "bm25",
                     "reap_interval_s": 0.2,
-                    "http_port": -1,
+                    "http": {"port": -1},
                 },
             }
         )

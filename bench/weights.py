@@ -129,7 +129,7 @@ async def distribution(
                 "nats": {"url": nats.url},
                 "database": {"url": db_url},
                 "telemetry": {"log_format": "text", "log_level": "WARNING"},
-                "weights": {"store_dir": str(store), "staging_dir": str(tmp), "delta": delta, "http_port": -1},
+                "weights": {"store_dir": str(store), "staging_dir": str(tmp), "delta": delta, "http": {"port": -1}},
             }
         )
     )

@@ -123,7 +123,7 @@ def run_eval(run_dir: str, versions: list[int] | None, overrides: list[str]) -> 
                 "database": {"url": db_url},
                 "telemetry": {
                     "traces_file": str(run_dir_p / "traces" / f"eval-{stamp}-{{service}}.jsonl"),
-                    "metrics_port": -1,
+                    "metrics": {"port": -1},
                 },
             },
         )
