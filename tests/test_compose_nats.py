@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from test_compose import COMPOSE_FILE, ROOT, SERVICE_FOLDERS, _env, _interpolate, _service, _volumes
+from compose_spec import COMPOSE_FILE, ROOT, SERVICE_FOLDERS, _env, _interpolate, _service, _volumes
 
 from kiln.ops.embedded import nats_server_binary
 from kiln.shared.bus.auth import SECRET_SERVICES

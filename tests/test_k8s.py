@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate  # requirements-dev.txt: the schemas ship inside it (offline)
 import pytest
 import yaml
-from test_compose import COMPOSE_FILE, _interpolate, _MigrateConfig, _resolve_env_key
+from compose_spec import COMPOSE_FILE, _interpolate, _MigrateConfig, _resolve_env_key
 
 from kiln.shared.bus.auth import ADMIN, denied
 from kiln.shared.config import load_config
