@@ -34,7 +34,7 @@ from kiln.learner.policy import tokenizer_corpus
 from kiln.rollout.agent import run_episode
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation, InferenceEngine
-from kiln.rollout.harness.runners import run_harness_episode
+from kiln.rollout.harness.external import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
 from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.shared import chat

@@ -1,6 +1,6 @@
 """External harnesses through the rollout endpoint: the official ``openai`` client against
 the real FastAPI app served by uvicorn, a scripted engine (its tokens known), and a real
-env-pool over a real nats-server for the harness runners and the exec bridge.
+env-pool over a real nats-server for the external harnesses and the exec bridge.
 
 What must hold: every trained token is one the engine generated, with the logprob and
 version it reported; a harness that keeps its history extends one trajectory, one that
@@ -22,7 +22,7 @@ from test_agent import TASK, TOK, ScriptedEngine, request, tool_call
 from kiln.rollout.config import HarnessSettings, RolloutSettings
 from kiln.rollout.engine import Generation
 from kiln.rollout.episode import Budget, Episode
-from kiln.rollout.harness.runners import run_harness_episode
+from kiln.rollout.harness.external import run_harness_episode
 from kiln.rollout.harness.server import Endpoint
 from kiln.rollout.lifecycle import EpisodeSpec
 from kiln.shared import chat

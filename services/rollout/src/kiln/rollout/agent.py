@@ -5,7 +5,7 @@ observations -> generate ... until the model answers without a tool call, or a l
 (turns, tokens, deadline) ends the episode.
 
 It is a harness like any other (``BuiltinHarness``, beside the external harnesses of
-``harness.runners``): ``SampleLifecycle`` (``lifecycle.py``) leases its sandbox, sets its
+``harness.external``): ``SampleLifecycle`` (``lifecycle.py``) leases its sandbox, sets its
 budget, takes its final diff and assembles its ``Trajectory``; ``AgentLoop`` keeps the
 conversation as chat messages and sends each turn's messages to the sample's ``Episode``
 (``episode.py``), the same machinery that serves external harnesses through the

@@ -5,7 +5,7 @@ about it that does not depend on who plays it: the sandbox lease and its TTL, th
 ``Budget``, the ``Episode`` that records its tokens, the final diff or the destroy, and
 the one ``Trajectory``. A *harness* only plays: kiln's own loop (``agent.BuiltinHarness``)
 and the external harnesses behind the OpenAI-compatible endpoint
-(``harness.runners.ExternalHarness``) implement the same small ``Harness`` interface
+(``harness.external.ExternalHarness``) implement the same small ``Harness`` interface
 side by side (the shape of SkyRL's ``GeneratorInterface``), and the worker and the
 evaluator run every sample through ``SampleLifecycle.run``, never a harness's own setup.
 

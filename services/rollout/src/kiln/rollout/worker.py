@@ -89,7 +89,7 @@ class RolloutWorker:
 
     async def serve_endpoint(self) -> str:
         """Start the OpenAI-compatible endpoint external harnesses call (``rollout.harness``)."""
-        from kiln.rollout.harness.runners import ExternalHarness
+        from kiln.rollout.harness.external import ExternalHarness
         from kiln.rollout.harness.server import Endpoint
         from kiln.shared.http import serve_http
 
