@@ -2,7 +2,7 @@
 
 Run inside the scoring sandbox as ``python -I -S -c <source> <config>``
 (``kiln.shared.tasks.testrun.runner_command`` builds it: this file, with the test
-process's half, ``runner_child.py`` and ``runner_drivers.py``, inlined as ``CHILD_SOURCE``; ``<config>`` is base64
+process's half, ``runner_child.py``, ``runner_guard.py`` and ``runner_drivers.py``, as ``CHILD_SOURCE``; ``<config>`` is base64
 of zlib of JSON: ``framework`` (``unittest`` or ``pytest``), ``ids`` (the tests to run),
 ``args`` (extra pytest arguments), ``timeout_s``, ``test_files`` (the task's test files
 and their sha256, optional)). Standard library only, Python 3.8 and later: it runs under
@@ -64,7 +64,8 @@ KEY_BYTES = 32
 MAX_SOURCE_BYTES = 8 << 20
 MAX_NEIGHBOUR_BYTES = 32 << 20
 MAX_NEIGHBOURS = 5000
-CHILD_SOURCE = None  # runner_command inlines runner_child.py + runner_drivers.py here: (source, magic, code)
+# runner_command puts (source, magic, code) of runner_child.py + runner_guard.py + runner_drivers.py here:
+CHILD_SOURCE = None
 MARKS = {
     "xfail": "xfail",
     "expectedFailure": "xfail",
@@ -112,12 +113,21 @@ def _site_packages():
     site.addsitepackages(known)
 
 
-def _set_dumpable(flag):
+def prctl(option, arg):
+    """``prctl(2)`` through ``_ctypes`` itself: importing ``ctypes`` cost 3 ms a run."""
     try:
+        import _ctypes
+
+        return _ctypes.call_function(_ctypes.dlsym(_ctypes.dlopen(None, 0), "prctl"), (option, arg, 0, 0, 0))
+    except Exception:  # no such entry points here: the slower, portable way
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_DUMPABLE, 1 if flag else 0, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+
+
+def _set_dumpable(flag):
+    try:
+        return prctl(PR_SET_DUMPABLE, 1 if flag else 0) == 0
     except Exception:
         return False
 
@@ -334,7 +344,7 @@ def _child_namespace():
         code = compile(
             zlib.decompress(base64.b64decode(source)).decode(), "<kiln-runner-child>", "exec", dont_inherit=True
         )
-    ns = {"__builtins__": dict(vars(builtins)), "__name__": "kiln-runner-child"}
+    ns = {"__builtins__": dict(vars(builtins)), "__name__": "kiln-runner-child", "_prctl": prctl}
     exec(code, ns)
     return ns
 

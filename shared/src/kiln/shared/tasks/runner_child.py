@@ -42,10 +42,10 @@ import importlib.util
 import inspect
 import os
 import sys
-import threading
 import time
 import traceback
 import types
+from _operator import attrgetter as _attrgetter
 
 
 def _sha256():
@@ -83,6 +83,7 @@ _iscoroutinefunction = inspect.iscoroutinefunction
 _format_exception_only = traceback.format_exception_only
 _FunctionType, _ModuleType = types.FunctionType, types.ModuleType
 _exec, _compile = exec, compile
+_code_of = _attrgetter("__code__")
 MESSAGE_CHARS = 400
 KEY_BYTES = 32
 CO_OPTIMIZED = 1
@@ -276,137 +277,6 @@ class Pristine:
         return True, None, ""
 
 
-def _attrs(obj):
-    out = {}
-    for k, v in list(vars(obj).items()):
-        f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
-        if f is not v or callable(v):
-            out[k] = (id(v), id(getattr(f, "__code__", None)) if type(f) is _FunctionType else 0)
-    return out
-
-
-class Guard:
-    """What every verdict depends on, recorded before any workspace code runs; ``check``
-    lists every difference (``found``: tampering)."""
-
-    def __init__(self, framework, cwd, fd, pristine, own):
-        self.cwd, self.fd, self.pristine = cwd, fd, pristine
-        self.found, self.shadowed, self.done_with = [], [], set()
-        self.stdlib = set(getattr(sys, "stdlib_module_names", ()))
-        self.loaded = set(sys.modules)
-        tops = FRAMEWORK_TOPS if framework == "pytest" else ("unittest",)
-        self.targets = [("builtins", builtins)] + own
-        for name in sorted(sys.modules):
-            m = sys.modules[name]
-            if name.partition(".")[0] in tops and isinstance(m, _ModuleType):
-                self.targets.append((name, m))
-                self.targets += [
-                    (name + "." + k, v)
-                    for k, v in sorted(vars(m).items())
-                    if isinstance(v, type) and getattr(v, "__module__", None) == name
-                ]
-        self.core = [
-            (n, o)
-            for n, o in self.targets
-            if n == "builtins"
-            or n.startswith("kiln.")
-            or n in CORE
-            or n.rpartition(".")[0] in CORE
-            or framework == "unittest"
-        ]
-        self.before = {n: _attrs(o) for n, o in self.targets}
-        self.state = self._state()
-
-    def tamper(self, what):
-        if what not in self.found:
-            self.found.append(what)
-
-    def _state(self):
-        s = {
-            "sys.getprofile()": id(_getprofile()),
-            "sys.gettrace()": id(_gettrace()),
-            "threading's profile hook": id(getattr(threading, "_profile_hook", None)),
-            "threading's trace hook": id(getattr(threading, "_trace_hook", None)),
-            "sys.modules['__main__']": id(sys.modules.get("__main__")),
-        }
-        for name in REPORT_PATH:
-            s["os." + name] = id(getattr(os, name, None))
-        mon = getattr(sys, "monitoring", None)
-        for i in range(6) if mon is not None else ():
-            s["sys.monitoring tool %d" % i] = (mon.get_tool(i), mon.get_events(i))
-        try:
-            st = _fstat(self.fd)
-            s["the event channel"] = (st.st_dev, st.st_ino)
-        except OSError:
-            s["the event channel"] = None
-        return s
-
-    def audit(self, event, args):
-        try:
-            if event == "object.__setattr__":
-                if (
-                    len(args) > 1
-                    and args[1] == "__code__"
-                    and type(args[0]) is _FunctionType
-                    and self.pristine.pristine(args[0].__code__)
-                ):
-                    self.tamper("the code of %s was replaced" % args[0].__qualname__)
-            elif event in ("sys.settrace", "sys.setprofile", "sys.monitoring.register_callback"):
-                self.tamper(event + " was called during the tests")
-        except Exception:  # an audit hook that raises would fail the audited operation
-            pass
-
-    def _from_workspace(self, v):
-        f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
-        if type(f) is _FunctionType:
-            return self.pristine.in_workspace(f.__code__.co_filename)
-        if isinstance(f, type):
-            where = getattr(sys.modules.get(getattr(f, "__module__", "")), "__file__", None)
-            return bool(where) and self.pristine.in_workspace(where)
-        return False
-
-    def rebase(self, tops):
-        """Take pytest's plugins' own changes into the record (``legacypath`` adds
-        properties at configure time, hypothesis wraps a fixture method): a change to
-        a module under ``tops`` made with code from outside the workspace is theirs;
-        one made with the workspace's code is tampering."""
-        for name, obj in self.targets:
-            if name.partition(".")[0] not in tops:
-                continue
-            now = _attrs(obj)
-            for attr in set(now) - set(self.before[name]) | {a for a in now if now[a] != self.before[name].get(a)}:
-                if self._from_workspace(vars(obj)[attr]):
-                    self.tamper("%s.%s" % (name, attr))
-            self.before[name] = now
-
-    def check(self, full=True, skip=()):
-        for name in list(sys.modules):
-            top = name.partition(".")[0]
-            if name in self.loaded or (top not in self.stdlib and top not in FRAMEWORK_TOPS):
-                continue
-            self.loaded.add(name)
-            where = getattr(sys.modules.get(name), "__file__", None) or ""
-            if where and self.pristine.in_workspace(where):
-                what = "module %s from the workspace (%s)" % (name, os.path.relpath(_abspath(where), self.cwd))
-                (self.found if top in FRAMEWORK_TOPS else self.shadowed).append(what)
-        for name, obj in self.targets if full else self.core:
-            if name.partition(".")[0] in skip:
-                continue
-            was, now = self.before[name], _attrs(obj)
-            if was != now:
-                for attr in sorted(set(was) | set(now)):
-                    if was.get(attr) == now.get(attr):
-                        continue
-                    if attr in was or self._from_workspace(
-                        vars(obj)[attr]
-                    ):  # new ones: lazy imports are the framework's own
-                        self.tamper("%s.%s" % (name, attr))
-        for what, value in self._state().items():
-            if self.state[what] != value:
-                self.tamper(what + " changed")
-        return self.found
-
-
 class Record:
     def __init__(self):
         self.returned, self.why, self.expect_failure = False, "", False
@@ -525,9 +395,7 @@ class Loader:
 
 def _dumpable():
     try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: the tests' own process
+        _prctl(4, 1)  # PR_SET_DUMPABLE: the tests' own process
     except Exception:
         pass
 

@@ -81,8 +81,7 @@ def run_unittest(ids, ch, guard, witness, pristine, finder):
                 del self._t0
                 guard.check()
 
-    guard.targets.append(("kiln.Collector", Collector))
-    guard.before["kiln.Collector"] = _attrs(Collector)
+    guard.watch("kiln.Collector", Collector)
     guard.core.append(("kiln.Collector", Collector))
     modules = {}
     for test_id in ids:  # each test module from its protected file, by location
@@ -224,8 +223,7 @@ def run_pytest(ids, args, ch, guard, witness, pristine, finder, cwd):
                 ch.send("error", report.nodeid or "collection", str(report.longrepr)[-MESSAGE_CHARS:])
 
     plugin = Plugin()
-    guard.targets.append(("kiln.Plugin", Plugin))
-    guard.before["kiln.Plugin"] = _attrs(Plugin)
+    guard.watch("kiln.Plugin", Plugin)
     guard.core.append(("kiln.Plugin", Plugin))
     code = pytest.main(
         ["-p", "no:cacheprovider", "--color=no", "-rfE"] + list(args) + ["--"] + list(ids), plugins=[plugin]
