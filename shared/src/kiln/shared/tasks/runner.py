@@ -499,6 +499,7 @@ def main():
     token = os.urandom(KEY_BYTES)
     read_fd, write_fd = os.pipe()
     key_read, key_write = os.pipe()
+    prepared = ns["prepare"](cfg, cwd, write_fd, sources)
     sys.stdout.flush()
     sys.stderr.flush()
     import gc
@@ -508,7 +509,7 @@ def main():
     if pid == 0:
         os.close(read_fd)
         os.close(key_write)
-        ns["child_main"](cfg, cwd, write_fd, key_read, token, sources)
+        ns["child_main"](cfg, cwd, write_fd, key_read, token, prepared)
     os.close(write_fd)
     os.close(key_read)
     key = os.urandom(KEY_BYTES)  # made after the fork: the test process never held it

@@ -36,7 +36,9 @@ What remains: code that deliberately reaches the runner's own objects (``gc``, f
 closures, ``ctypes``) can still forge; so can a patch made and undone within one test.
 """
 
+import _operator
 import builtins
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -45,7 +47,6 @@ import sys
 import time
 import traceback
 import types
-from _operator import attrgetter as _attrgetter
 
 
 def _sha256():
@@ -83,7 +84,8 @@ _iscoroutinefunction = inspect.iscoroutinefunction
 _format_exception_only = traceback.format_exception_only
 _FunctionType, _ModuleType = types.FunctionType, types.ModuleType
 _exec, _compile = exec, compile
-_code_of = _attrgetter("__code__")
+_get_referents = gc.get_referents
+_is = _operator.is_
 MESSAGE_CHARS = 400
 KEY_BYTES = 32
 CO_OPTIMIZED = 1
@@ -431,16 +433,24 @@ def _forget_workspace_modules(cwd):
             del sys.modules[name]
 
 
-def child_main(cfg, cwd, events_fd, key_fd, token, sources):
+def prepare(cfg, cwd, events_fd, sources):
+    """The record every verdict is checked against, taken in the runner's parent before it
+    forks (no workspace code has run there either): built in the child, the copy-on-write
+    faults of touching every framework object cost it 3 ms more."""
+    pristine = Pristine(sources, cwd)
+    own = [("kiln." + c.__name__, c) for c in (Mac, Channel, Pristine, Guard, Record, Witness, Finder, Loader)]
+    return pristine, Guard(cfg["framework"], cwd, events_fd, pristine, own)
+
+
+def child_main(cfg, cwd, events_fd, key_fd, token, prepared):
     ch = Channel(events_fd, key_fd, token)
     try:
         os.setpgid(0, 0)
         _dumpable()
         _dup2(2, 1)  # the tests print to the parent's stderr; the report (fd 1) is not theirs
         sys.modules["__main__"] = _ModuleType("__main__")  # not the runner: nothing of it to patch there
-        pristine = Pristine(sources, cwd)
-        own = [("kiln." + c.__name__, c) for c in (Mac, Channel, Pristine, Guard, Record, Witness, Finder, Loader)]
-        guard = Guard(cfg["framework"], cwd, events_fd, pristine, own)
+        pristine, guard = prepared
+        guard.state = guard._state()  # the process state as the tests start (this process, the __main__ above)
         witness = Witness(pristine, guard)
         finder = Finder(pristine, guard)
         sys.addaudithook(guard.audit)

@@ -27,9 +27,12 @@ def _attrs(obj):
 
 
 class Seal:
-    """A target's namespace as it was last found clean, checked at C speed: the
-    identities of its keys, its values and its functions' code. Holding them keeps every
-    id from being reused; any difference sends ``Guard.check`` to the full comparison."""
+    """A target's namespace as it was last found clean, checked at C speed: its keys, its
+    values and everything its functions reference (their code, globals, defaults,
+    closure: one ``gc.get_referents`` call) are the very same objects, compared with
+    ``is`` (``id()`` and each ``__code__`` read would run the audit hook once per object).
+    Holding them keeps every one alive, so none can be replaced by another at its
+    address; any difference sends ``Guard.check`` to the full comparison."""
 
     def __init__(self, obj):
         d = vars(obj)
@@ -42,11 +45,19 @@ class Seal:
             )
             if type(f) is _FunctionType
         ]
-        self.ids = (list(map(id, self.keys)), list(map(id, self.values)), list(map(id, map(_code_of, self.funcs))))
+        self.refs = _get_referents(*self.funcs) if self.funcs else []
 
     def holds(self, obj):
         d = vars(obj)
-        return self.ids == (list(map(id, d)), list(map(id, d.values())), list(map(id, map(_code_of, self.funcs))))
+        return (
+            _same(self.keys, list(d))
+            and _same(self.values, list(d.values()))
+            and _same(self.refs, _get_referents(*self.funcs) if self.funcs else [])
+        )
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(map(_is, a, b))
 
 
 class Guard:
