@@ -14,7 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = {"envpool": "env-pool", "learner": "learner", "reward": "reward", "rollout": "rollout", "weights": "weights"}
-PACKAGES = {"shared": ROOT / "shared/src/kiln/shared", **{k: ROOT / f"services/{v}/src/kiln/{k}" for k, v in SERVICES.items()}}
+PACKAGES = {
+    "shared": ROOT / "shared/src/kiln/shared",
+    **{k: ROOT / f"services/{v}/src/kiln/{k}" for k, v in SERVICES.items()},
+}
 
 
 def kiln_imports(folder: Path) -> dict[str, set[str]]:
