@@ -13,10 +13,12 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LossName = Literal["ppo_clip", "decoupled_ppo", "tis"]
+LossName = Literal["ppo_clip", "decoupled_ppo", "tis", "gspo"]
 KlEstimator = Literal["k1", "k2", "k3"]
+SequenceMask = Literal["off", "geometric"]
 LOSSES: tuple[str, ...] = get_args(LossName)
 KL_ESTIMATOR_NAMES: tuple[str, ...] = get_args(KlEstimator)
+SEQUENCE_MASKS: tuple[str, ...] = get_args(SequenceMask)
 
 
 class LossFields(BaseModel):
@@ -30,7 +32,28 @@ class LossFields(BaseModel):
     loss: LossName = "ppo_clip"
     """Policy loss: ``ppo_clip`` (ratio to the behaviour policy), ``decoupled_ppo`` (clip
     against the policy the batch starts from, times the behaviour correction), ``tis``
-    (policy gradient with truncated importance weights)."""
+    (policy gradient with truncated importance weights), ``gspo`` (GSPO: one importance
+    ratio per sequence, the geometric mean of its tokens' ratios to the behaviour policy,
+    clipped by ``gspo_clip_eps``/``gspo_clip_eps_high`` and applied to all its tokens)."""
+    gspo_clip_eps: float = Field(default=3e-4, gt=0, lt=1)
+    """``gspo``: lower clip range of the sequence ratio (clipped at ``1 - gspo_clip_eps``);
+    in (0, 1). A geometric mean over many tokens moves far less than one token's ratio:
+    the defaults are the GSPO paper's 3e-4 below and 4e-4 above."""
+    gspo_clip_eps_high: float = Field(default=4e-4, gt=0)
+    """``gspo``: upper clip range of the sequence ratio (clipped at ``1 +
+    gspo_clip_eps_high``); > 0."""
+    sequence_mask: SequenceMask = "off"
+    """Sequence-level rejection of rollout/learner mismatch, with any ``loss``:
+    ``geometric`` leaves out of every loss term all tokens of a sequence whose
+    geometric-mean importance ratio ``exp(mean log(pi / pi_behaviour))`` over its trained
+    tokens lies outside [``sequence_mask_low``, ``sequence_mask_high``] (SkyRL's geo
+    mask; ``pi``: the policy the batch starts from); ``off``: no sequence is masked."""
+    sequence_mask_low: float = Field(default=0.99, gt=0, le=1)
+    """``sequence_mask = "geometric"``: the lowest geometric-mean ratio a sequence may have
+    and still train; in (0, 1]."""
+    sequence_mask_high: float = Field(default=1.01, ge=1)
+    """``sequence_mask = "geometric"``: the highest geometric-mean ratio a sequence may
+    have and still train; >= 1."""
     tis_cap: float = Field(default=2.0, ge=0)
     """Truncation of the behaviour importance weight: ``min(w, tis_cap)`` (``tis`` and
     ``decoupled_ppo``); 0 = no truncation."""

@@ -1,4 +1,5 @@
-"""GRPO advantages and the token-level, off-policy-corrected policy loss (pure functions).
+"""GRPO advantages and the off-policy-corrected policy loss (pure functions): token-level
+corrections, and sequence-level ones (GSPO's ratio, the geometric-mean sequence mask).
 
 Advantages are per group: reward minus the group mean (optionally divided by the group
 std), over the group's valid samples only: ``infra_error`` trajectories are excluded
@@ -20,8 +21,23 @@ its own version, so staleness is judged per token. The loss variants (``loss``):
   the proximal policy when its logprobs are given and ``pi_theta`` otherwise (the same
   numbers when the batch takes one optimizer step, as the learner's does);
 
+- ``gspo`` (Zheng et al., GSPO): one ratio per sequence, ``s = exp(mean over the
+  sequence's trained tokens of (logp - behaviour))`` (the geometric mean of its tokens'
+  ratios, differentiated through every token), in PPO's clipped surrogate with the
+  sequence's advantage and the ``gspo_clip_eps``/``gspo_clip_eps_high`` range, applied to
+  each of its trained tokens: under the token-level mean below, every trained token of a
+  sequence gets the gradient ``s * A / N`` while ``s`` is inside the clip;
+
 ``tis_cap`` <= 0 means no truncation (plain importance weights) in both variants that
 use it;
+
+plus, with ``sequence_mask = "geometric"`` and any variant, a sequence-level rejection
+(SkyRL's geo mask): a sequence whose geometric-mean ratio ``exp(mean log(pi /
+pi_behaviour))`` over its trained tokens (``pi`` as for ``tis``) lies outside
+[``sequence_mask_low``, ``sequence_mask_high``] drops out of every term, all its tokens;
+single tokens far off either way do not mask a sequence whose mean stays inside. Its
+tokens stay in the denominator (the batch's trained tokens, fixed before any loss), so
+a rejected sequence scales the step down rather than re-weighting the kept ones;
 
 plus, when ``kl_coef > 0``, a KL penalty to a frozen reference policy per token with
 the ``k1`` (``logp - ref``), ``k2`` (``(logp - ref)^2 / 2``) or ``k3``
@@ -41,10 +57,16 @@ Invariants:
   logprobs recorded at untrained positions);
 - behaviour, proximal and reference logprobs are constants (no gradient flows into
   them); only ``logp`` (the policy being trained) is differentiated;
-- the stats are floats: ``tokens`` (trained tokens), ``ratio_mean`` and ``clip_frac`` (of
-  the clipped ratio: theta/behaviour, theta/prox for ``decoupled_ppo``; for ``tis`` the
-  fraction of capped weights), ``tis_capped_frac`` (when a cap applies), ``kl`` (when
-  ``kl_coef > 0``), ``behaviour_weight_mean`` (``decoupled_ppo``).
+- a sequence is a row of the batch (``Policy.train_step`` gives every segment of a
+  trajectory a row of its own), or with ``segments`` one run of equal ids inside a row
+  (packed rows); its means are over its trained tokens only (``mask`` 1: generated and
+  not stale), never over prompt, observation, padding or another sequence's tokens;
+- the stats are floats: ``tokens`` (trained tokens, masked sequences included),
+  ``ratio_mean`` and ``clip_frac`` (of the clipped ratio: theta/behaviour, theta/prox for
+  ``decoupled_ppo``, the sequence ratio for ``gspo``; for ``tis`` the fraction of capped
+  weights), ``tis_capped_frac`` (when a cap applies), ``kl`` (when ``kl_coef > 0``),
+  ``behaviour_weight_mean`` (``decoupled_ppo``), ``seq_masked_frac`` (the trained tokens
+  the sequence mask rejected, when it is on), all over the trained tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +76,7 @@ import math
 import torch
 
 # The loss's knobs are declared (and validated) once, with the settings they come from.
-from kiln.shared.loss import KL_ESTIMATOR_NAMES, LOSSES, LossConfig  # noqa: F401
+from kiln.shared.loss import KL_ESTIMATOR_NAMES, LOSSES, SEQUENCE_MASKS, LossConfig  # noqa: F401
 
 # Per-token KL estimators of d = ref - logp.
 KL_ESTIMATORS = {
@@ -111,6 +133,22 @@ def _truncate(weight, cap, mask, n, stats):
     return weight.clamp(max=cap), capped
 
 
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T): at every position, the mean of ``x`` over the trained tokens (``mask`` 1)
+    of its sequence (a row, or with ``segments`` a run of one id inside a row); 0 for a
+    sequence without trained tokens. Differentiable in ``x``."""
+    mask = mask.to(x.dtype)
+    if segments is None:
+        total = (x * mask).sum(-1, keepdim=True)
+        return (total / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(x)
+    b, t = x.shape
+    k = int(segments.max()) + 1 if segments.numel() else 1
+    flat = (torch.arange(b, device=x.device)[:, None] * k + segments).reshape(-1)
+    total = x.new_zeros(b * k).index_add(0, flat, (x * mask).reshape(-1))
+    count = x.new_zeros(b * k).index_add(0, flat, mask.reshape(-1))
+    return (total / count.clamp(min=1))[flat].reshape(b, t)
+
+
 def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -120,8 +158,11 @@ def policy_loss(
     *,
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """All (B, T); ``advantages`` broadcast per token; ``mask`` 1 on trained tokens."""
+    """All (B, T); ``advantages`` broadcast per token; ``mask`` 1 on trained tokens;
+    ``segments`` (B, T) integers >= 0, equal within a sequence, for rows packing several
+    sequences (None: each row is one sequence)."""
     mask = mask.to(logp.dtype)
     n = mask.sum().clamp(min=1)
     lo, hi = 1 - cfg.clip_eps, 1 + (cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps)
@@ -134,6 +175,12 @@ def policy_loss(
     if prox_logp is not None:
         prox_logp = torch.where(keep, prox_logp.detach(), logp.detach())
     stats: dict[str, float] = {}
+    if cfg.sequence_mask == "geometric":
+        pi = logp.detach() if prox_logp is None else prox_logp
+        geo = torch.exp(sequence_mean(pi - behaviour_logp, mask, segments))
+        inside = (geo >= cfg.sequence_mask_low) & (geo <= cfg.sequence_mask_high)
+        stats["seq_masked_frac"] = float(((~inside).to(mask.dtype) * mask).sum() / n)
+        keep = keep & inside  # the whole sequence leaves every term; n still counts it
     if cfg.loss == "ppo_clip":
         ratio = torch.exp(logp - behaviour_logp)
         per_token = -_clipped_surrogate(ratio, advantages, lo, hi)
@@ -146,6 +193,11 @@ def policy_loss(
         per_token = -weight * _clipped_surrogate(ratio, advantages, lo, hi)
         clipped = (ratio < lo) | (ratio > hi)
         stats["behaviour_weight_mean"] = float((weight * mask).sum() / n)
+    elif cfg.loss == "gspo":
+        ratio = torch.exp(sequence_mean(logp - behaviour_logp, mask, segments))
+        g_lo, g_hi = 1 - cfg.gspo_clip_eps, 1 + cfg.gspo_clip_eps_high
+        per_token = -_clipped_surrogate(ratio, advantages, g_lo, g_hi)
+        clipped = (ratio < g_lo) | (ratio > g_hi)
     else:  # tis
         ratio = torch.exp(logp - behaviour_logp)
         pi = logp.detach() if prox_logp is None else prox_logp

@@ -275,7 +275,7 @@ def policy_gradient_step(
     world = dist.get_world_size() if dist.is_initialized() else 1
     optimizer.zero_grad(set_to_none=True)
     pg_total, aux_total = 0.0, 0.0
-    acc: dict[str, float] = {"tokens": 0.0, "ratio_mean": 0.0, "clip_frac": 0.0, "kl": 0.0, "tis_capped_frac": 0.0}
+    acc = dict.fromkeys(("tokens", "ratio_mean", "clip_frac", "kl", "tis_capped_frac", "seq_masked_frac"), 0.0)
     for lo in range(0, rows, size):
         part = {k: v[lo : lo + size] for k, v in shard.items()}
         prox = prox_logp[lo : lo + size] if prox_logp is not None else None
@@ -305,6 +305,7 @@ def policy_gradient_step(
             stats["clip_frac"] * n,
             stats.get("kl", 0.0) * n,
             stats.get("tis_capped_frac", 0.0) * n,
+            stats.get("seq_masked_frac", 0.0) * n,
         ],
         device=training_device(model),
     )
@@ -317,6 +318,7 @@ def policy_gradient_step(
         "clip_frac": float(sums[2]) / total,
         "kl": float(sums[3]) / total,
         "tis_capped_frac": float(sums[4]) / total,
+        "seq_masked_frac": float(sums[5]) / total,
         "aux_loss": aux_total * world,
         "grad_norm": float(norm),
         "tokens": global_tokens,

@@ -61,6 +61,8 @@ class StepStats:
     stale_tokens: int = 0
     kl: float = 0.0
     tis_capped_frac: float = 0.0
+    seq_masked_frac: float = 0.0
+    """Trained tokens in sequences ``algorithm.sequence_mask`` rejected (0 when off)."""
     grad_norm: float = 0.0
     lr: float = 0.0
 
@@ -277,6 +279,7 @@ class Policy:
             stale_tokens=int(t["stale"]),
             kl=out["kl"],
             tis_capped_frac=out["tis_capped_frac"],
+            seq_masked_frac=out["seq_masked_frac"],
             grad_norm=out["grad_norm"],
             lr=lr,
         )
