@@ -92,8 +92,18 @@ def _build(svc: dict) -> tuple[Path, Path] | None:
     return context, (context / b.get("dockerfile", "Dockerfile")).resolve()
 
 
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+"""The one Dockerfile of every kiln image: a target per service folder, named after it."""
+
+
 def _dockerfile(folder: str) -> Path:
-    return SERVICES_DIR / folder / "Dockerfile"
+    return DOCKERFILE
+
+
+def _target(svc: dict) -> str | None:
+    """The build target (stage) a compose service builds, or None."""
+    b = svc.get("build")
+    return b.get("target") if isinstance(b, dict) else None
 
 
 def _healthcheck_argv(hc: dict) -> list[str]:

@@ -1,5 +1,5 @@
-"""Structural checks of the container deployment: docker-compose.yml, the services'
-Dockerfiles and .dockerignore, validated against the code (the registered services,
+"""Structural checks of the container deployment: docker-compose.yml (each kiln service
+built from its own target of deploy/docker/Dockerfile), validated against the code (the registered services,
 their settings classes, their package dependencies) without a Docker engine.
 
 Compose interpolation (``${VAR:-default}``) is resolved with the defaults only, so the
@@ -38,6 +38,7 @@ from compose_spec import (
     _MigrateConfig,
     _resolve_env_key,
     _service,
+    _target,
     _volumes,
 )
 
@@ -76,9 +77,12 @@ def test_service_is_built_from_its_dockerfile(compose, folder):
     context, dockerfile = built
     assert context == ROOT, f"compose service {folder!r} builds with context {context}, expected the repository root"
     assert dockerfile == _dockerfile(folder).resolve(), (
-        f"compose service {folder!r} builds {dockerfile.relative_to(ROOT)}, expected services/{folder}/Dockerfile"
+        f"compose service {folder!r} builds {dockerfile.relative_to(ROOT)}, expected {_dockerfile(folder).relative_to(ROOT)}"
     )
     assert dockerfile.is_file(), f"compose service {folder!r}: {dockerfile.relative_to(ROOT)} does not exist"
+    assert _target(svc) == folder, (
+        f"compose service {folder!r} builds target {_target(svc)!r} of {dockerfile.relative_to(ROOT)}, expected {folder!r}"
+    )
 
 
 @pytest.mark.parametrize("folder", SERVICE_FOLDERS)
@@ -158,8 +162,8 @@ def test_migrate_upgrades_the_same_database(compose, registry):
     argv = cmd if isinstance(cmd, list) else shlex.split(cmd or "")
     assert argv[:3] == ["kiln", "db", "upgrade"], f"{MIGRATE} runs {argv}, expected `kiln db upgrade`"
     built = _build(mig)
-    assert built and built[1] == _dockerfile("weights").resolve(), (
-        f"{MIGRATE} is not built from services/weights/Dockerfile"
+    assert built and built[1] == _dockerfile("weights").resolve() and _target(mig) == "weights", (
+        f"{MIGRATE} is not built from the weights target of {_dockerfile('weights').relative_to(ROOT)}"
     )
     assert _depends(mig).get("postgres") == "service_healthy", f"{MIGRATE} does not wait for postgres (service_healthy)"
     assert str(mig.get("restart", "no")) in ("no", "False", "false", "on-failure"), (

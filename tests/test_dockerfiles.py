@@ -1,7 +1,10 @@
-"""Structural checks of the services' Dockerfiles and .dockerignore, against the
-packages' own dependencies (no Docker engine here): each image copies only the shared
-library and its own folder, installs as a non-root user, runs its registered module,
-and only the services that run a model carry torch (a CPU build, preinstalled)."""
+"""Structural checks of deploy/docker/Dockerfile (one target per service, built over a
+shared base stage) and .dockerignore, against the packages' own dependencies (no Docker
+engine here): each target, with the stages it is built on, copies only the shared
+library, the operator package and its own folder, starts from a base image given as a
+build argument (default python:3.11-slim), installs as a non-root user, runs its
+registered module; only the services that run a model carry torch (a CPU build,
+preinstalled); a CA bundle or wheel folder used while building stays out of the image."""
 
 from __future__ import annotations
 
@@ -22,15 +25,17 @@ SERVICES_DIR = ROOT / "services"
 SERVICE_FOLDERS = sorted(p.name for p in SERVICES_DIR.iterdir() if (p / "pyproject.toml").is_file())
 NO_TORCH = ("env-pool", "reward", "weights")
 """Services whose image must not carry torch."""
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+"""The one Dockerfile of every kiln image: one target (stage) per service folder."""
+REL = DOCKERFILE.relative_to(ROOT)
+COMMON = ("shared", "ops")
+"""Folders every image may copy besides its own: the shared library and the operator
+package (kiln health, kiln db upgrade)."""
 
 
 @pytest.fixture(scope="module")
 def registry():
     return discover()
-
-
-def _dockerfile(folder: str) -> Path:
-    return SERVICES_DIR / folder / "Dockerfile"
 
 
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -53,6 +58,84 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
         instr, _, args = buf.strip().partition(" ")
         out.append((instr.upper(), args.strip()))
     return out
+
+
+_ARG_REF = re.compile(r"\$\{([A-Za-z_]\w*)(?::([-+])([^}]*))?\}|\$([A-Za-z_]\w*)")
+
+
+def _arg_default(args: str) -> tuple[str, str]:
+    name, _, default = args.partition("=")
+    return name.strip(), default.strip().strip('"')
+
+
+def _expand(text: str, args: dict[str, str]) -> str:
+    """Build-argument references in ``text`` replaced by the arguments' defaults (a name
+    that is no argument in scope, a shell variable, stays as written)."""
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1) or m.group(4)
+        if name not in args:
+            return m.group(0)
+        value, op, word = args[name], m.group(2), m.group(3)
+        if op == "+":
+            return word if value else ""
+        if op == "-":
+            return value or word
+        return value
+
+    for _ in range(3):  # nested references: ${A:+[$A]}
+        text = _ARG_REF.sub(sub, text)
+    return text
+
+
+def _stages(dockerfile: Path) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """Each stage by name: (what it builds FROM, build args expanded to their defaults;
+    its instructions with its own ARG defaults expanded)."""
+    global_args: dict[str, str] = {}
+    stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    current: list | None = None
+    args: dict[str, str] = {}
+    for instr, rest in _instructions(dockerfile):
+        if instr == "FROM":
+            words = rest.split()
+            name = words[2] if len(words) > 2 and words[1].upper() == "AS" else f"#{len(stages)}"
+            current, args = [], {}
+            stages[name] = (_expand(words[0], global_args), current)
+            continue
+        if current is None:
+            if instr == "ARG":
+                k, v = _arg_default(rest)
+                global_args[k] = v
+            continue
+        if instr == "ARG":
+            k, v = _arg_default(rest)
+            args[k] = v if "=" in rest else global_args.get(k, "")
+        current.append((instr, _expand(rest, args)))
+    return stages
+
+
+def _chain(target: str) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """A target's base image, all the instructions that build it (its ancestors' first) and
+    the names of the stages it is made of."""
+    stages = _stages(DOCKERFILE)
+    assert target in stages, f"{REL} has no target {target!r} (stages: {', '.join(stages)})"
+    names, instrs = [], []
+    name = target
+    while name in stages:
+        names.append(name)
+        base, own = stages[name]
+        instrs = own + instrs
+        name = base
+    return name, instrs, names[::-1]
+
+
+def _raw_from_of(stage: str) -> str:
+    """The FROM argument of ``stage`` as written (before any expansion)."""
+    for instr, rest in _instructions(DOCKERFILE):
+        words = rest.split()
+        if instr == "FROM" and len(words) > 2 and words[2] == stage:
+            return words[0]
+    return ""
 
 
 def _exec_form(args: str) -> list[str]:
@@ -96,56 +179,63 @@ def _torch_via(folder: str) -> list[tuple[str, Requirement]]:
     return found
 
 
+def test_every_service_folder_has_a_target():
+    stages = _stages(DOCKERFILE)
+    missing = [f for f in SERVICE_FOLDERS if f not in stages]
+    assert not missing, f"{REL} has no target for {missing} (stages: {', '.join(stages)})"
+
+
 @pytest.mark.parametrize("folder", SERVICE_FOLDERS)
 def test_dockerfile_copies_only_shared_and_its_own_folder(folder):
-    path = _dockerfile(folder)
-    assert path.is_file(), f"services/{folder}/Dockerfile does not exist"
+    _, instrs, names = _chain(folder)
     own = f"services/{folder}"
+    allowed = (*COMMON, own)
     copied = []
-    for instr, args in _instructions(path):
-        if instr not in ("COPY", "ADD"):
-            continue
-        sources, from_stage = _copy_sources(args)
-        if from_stage:
-            continue  # from another build stage, not from the build context
+    for instr, args in instrs:
+        sources: list[str] = []
+        if instr in ("COPY", "ADD"):
+            sources, from_stage = _copy_sources(args)
+            if from_stage:
+                continue  # from another build stage, not from the build context
+        elif instr == "RUN":  # a bind mount without from= reads the build context too
+            for mount in re.findall(r"--mount=(\S+)", args):
+                opts = dict(o.partition("=")[::2] for o in mount.split(","))
+                if opts.get("type") == "bind" and "from" not in opts:
+                    sources.append(opts.get("source", opts.get("src", ".")))
         for src in sources:
             n = _norm(src)
-            ok = n == "shared" or n.startswith("shared/") or n == own or n.startswith(own + "/")
+            ok = any(n == a or n.startswith(a + "/") for a in allowed)
             assert ok, (
-                f"services/{folder}/Dockerfile: `{instr} {args}` copies {src!r} from the build context; "
-                f"only shared/ and {own}/ may be copied"
+                f"{REL} target {folder} (stages {' -> '.join(names)}): `{instr} {args}` copies {src!r} from the "
+                f"build context; only {', '.join(a + '/' for a in allowed)} may be copied"
             )
             copied.append(n)
-    assert any(n == "shared" or n.startswith("shared/") for n in copied), (
-        f"services/{folder}/Dockerfile never copies shared/"
-    )
-    assert any(n == own or n.startswith(own + "/") for n in copied), f"services/{folder}/Dockerfile never copies {own}/"
+    for need in ("shared", own):
+        assert any(n == need or n.startswith(need + "/") for n in copied), f"{REL} target {folder} never copies {need}/"
 
 
 @pytest.mark.parametrize("folder", SERVICE_FOLDERS)
 def test_dockerfile_base_install_user_and_command(folder, registry):
-    path = _dockerfile(folder)
-    instrs = _instructions(path)
-    froms = [a for i, a in instrs if i == "FROM"]
-    assert froms and froms[0].split()[0] == "python:3.11-slim", (
-        f"services/{folder}/Dockerfile starts FROM {froms[0] if froms else 'nothing'!r}, expected python:3.11-slim"
+    base, instrs, names = _chain(folder)
+    assert base == "python:3.11-slim", (
+        f"{REL} target {folder} starts FROM {base!r} by default, expected python:3.11-slim"
     )
+    raw = _raw_from_of(names[0])
+    assert raw.startswith("$"), f"{REL}: stage {names[0]} is FROM {raw!r}; the base image must be a build argument"
     installs = [a for i, a in instrs if i == "RUN" and "pip install" in a]
     words = [w.rstrip("/") for a in installs for w in shlex.split(a)]
-    assert any(PurePosixPath(w).name == "shared" for w in words), (
-        f"services/{folder}/Dockerfile: no `pip install` of ./shared"
-    )
+    assert any(PurePosixPath(w).name == "shared" for w in words), f"{REL} target {folder}: no `pip install` of ./shared"
     assert any(w.endswith(f"services/{folder}") for w in words), (
-        f"services/{folder}/Dockerfile: no `pip install` of ./services/{folder}"
+        f"{REL} target {folder}: no `pip install` of ./services/{folder}"
     )
     users = [a.split(":")[0] for i, a in instrs if i == "USER"]
     assert users and users[-1] not in ("root", "0"), (
-        f"services/{folder}/Dockerfile runs as root: add a non-root USER after the installs"
+        f"{REL} target {folder} runs as root: add a non-root USER after the installs"
     )
     cmds = [a for i, a in instrs if i == "CMD"]
     module = registry[folder].module
     assert cmds and _exec_form(cmds[-1]) == ["python", "-m", module], (
-        f"services/{folder}/Dockerfile: CMD is {cmds[-1] if cmds else 'missing'}, expected "
+        f"{REL} target {folder}: CMD is {cmds[-1] if cmds else 'missing'}, expected "
         f'["python", "-m", "{module}"] (the module registered for {folder!r})'
     )
 
@@ -154,9 +244,11 @@ def test_dockerfile_base_install_user_and_command(folder, registry):
 def test_torch_free_services_do_not_pull_torch(folder):
     why = [chain for chain, _ in _torch_via(folder)]
     assert not why, f"services/{folder}/pyproject.toml pulls torch through {why}; {folder} must stay torch-free"
-    for instr, args in _instructions(_dockerfile(folder)):
+    _, instrs, names = _chain(folder)
+    for instr, args in instrs:
         assert "torch" not in args.lower(), (
-            f"services/{folder}/Dockerfile mentions torch in `{instr} {args}`; {folder}'s image must stay torch-free"
+            f"{REL} target {folder} (stages {' -> '.join(names)}) mentions torch in `{instr} {args}`; "
+            f"{folder}'s image must stay torch-free"
         )
 
 
@@ -165,25 +257,48 @@ def test_torch_services_preinstall_a_cpu_torch_their_packages_accept(folder):
     why = _torch_via(folder)
     if not why:
         pytest.skip(f"{folder} does not depend on torch")
-    instrs = _instructions(_dockerfile(folder))
+    _, instrs, names = _chain(folder)
     runs = [a for i, a in instrs if i == "RUN"]
     torch_runs = [n for n, a in enumerate(runs) if re.search(r"pip install .*\btorch==", a)]
     kiln_runs = [n for n, a in enumerate(runs) if "pip install" in a and f"services/{folder}" in a]
-    assert torch_runs, (
-        f"services/{folder}/Dockerfile does not pin torch (`pip install torch==X --index-url .../whl/cpu`)"
-    )
+    assert torch_runs, f"{REL} target {folder} does not pin torch (`pip install torch==X --index-url .../whl/cpu`)"
     assert kiln_runs and torch_runs[0] < kiln_runs[0], (
-        f"services/{folder}/Dockerfile must install torch before the kiln packages, or pip pulls the CUDA build from PyPI"
+        f"{REL} target {folder} must install torch before the kiln packages, or pip pulls the CUDA build from PyPI"
     )
     line = runs[torch_runs[0]]
-    assert re.search(r"--(extra-)?index-url\s+\S+/whl/cpu\b", line), (
-        f"services/{folder}/Dockerfile installs torch without the PyTorch CPU index: `{line}`"
+    assert re.search(r"--(extra-)?index-url\s+\"?\S+/whl/cpu\b", line), (
+        f"{REL} target {folder} installs torch without the PyTorch CPU index by default: `{line}`"
     )
     pinned = Version(re.search(r"\btorch==([\w.+]+)", line).group(1))
     for chain, req in why:
         assert req.specifier.contains(pinned, prereleases=True), (
-            f"services/{folder}/Dockerfile pins torch {pinned}, but {chain} does not accept it"
+            f"{REL} target {folder} pins torch {pinned}, but {chain} does not accept it"
         )
+
+
+def test_ca_bundle_and_wheels_are_never_baked_in():
+    """Build-time trust and wheel sources come as a secret and a mounted stage: a COPY, an
+    ENV or a pip config would leave them in the image."""
+    for stage, (_, instrs) in _stages(DOCKERFILE).items():
+        for instr, args in instrs:
+            low = args.lower()
+            if instr in ("COPY", "ADD"):
+                assert not re.search(r"\.(crt|pem)\b|ca-certificates|wheels", low), f"{stage}: `{instr} {args}`"
+            if instr in ("ENV", "ARG"):
+                assert not re.search(r"pip_cert|requests_ca_bundle|ssl_cert|pip_find_links", low), (
+                    f"{stage}: `{instr} {args}` keeps a CA bundle or wheel folder in the image's config"
+                )
+            if instr == "RUN":
+                assert "pip config" not in low, f"{stage}: `RUN {args}` writes pip's config into the image"
+                if "pip_cert" in low:
+                    assert "type=secret" in low and "/run/secrets/" in low, (
+                        f"{stage}: `RUN {args}` gives pip a CA bundle that is not a build secret"
+                    )
+
+
+def test_no_per_service_dockerfiles_remain():
+    left = sorted(str(p.relative_to(ROOT)) for p in SERVICES_DIR.glob("*/Dockerfile"))
+    assert not left, f"{left}: every image builds from its target of {REL}"
 
 
 def test_dockerignore_keeps_local_state_out_of_the_context():
@@ -192,5 +307,5 @@ def test_dockerignore_keeps_local_state_out_of_the_context():
     patterns = {
         line.strip().rstrip("/") for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
     }
-    for want in (".venv", "runs", ".git", "**/__pycache__", "**/*.egg-info"):
+    for want in (".venv", "runs", ".git", "**/__pycache__", "**/*.egg-info", "deploy/secrets"):
         assert want in patterns, f".dockerignore does not exclude {want!r} (patterns: {sorted(patterns)})"

@@ -41,7 +41,7 @@ K8S = ROOT / "deploy" / "k8s"
 K8S_VERSION = "1.33"
 """Schemas validated against: ``hostUsers`` with ``procMount: Unmasked`` (env-pool) needs 1.33."""
 KILN_UID = 10001
-"""The user every kiln image runs as (services/*/Dockerfile)."""
+"""The user every kiln image runs as (deploy/docker/Dockerfile)."""
 JUSTIFIED = {"env-pool"}
 """The one workload that may relax the restricted profile (its annotation says why)."""
 PRIVILEGES_ANNOTATION = "kiln.dev/privileges"
