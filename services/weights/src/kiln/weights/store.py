@@ -7,6 +7,10 @@ Layout under ``root``::
     <run>/v000004/delta.kd        when it is stored as a delta against v000003
     <run>/.base/                  the newest version, whole: the base of the next delta
 
+A version is stored as a delta only when a receiver would rebuild it no slower than it
+takes the full version (``kiln.shared.weights.delta.MAX_CHANGED``, for versions of at least
+``SMALL_VERSION``); otherwise it is stored full, whatever ``delta`` says.
+
 Invariants: a version directory appears atomically (written under a temporary name,
 then renamed), so a reader never sees half a version; a delta version's chain back to
 a full version is never broken by retention (a version is kept whenever a kept version
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.shared.contracts import FileInfo, WeightsManifest
-from kiln.shared.weights.delta import make_delta
+from kiln.shared.weights.delta import MAX_CHANGED, SMALL_VERSION, make_delta
 from kiln.shared.weights.manifest import MANIFEST, IntegrityError, build_manifest, verify
 
 DELTA = "delta.kd"
@@ -107,8 +111,18 @@ class VersionStore:
         tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if as_delta:
-            blob = make_delta(base, src, [f.path for f in manifest.files], base_version=parent_version)
+        blob = None
+        if as_delta:  # None when the delta would be slower for receivers than the full version
+            blob = make_delta(
+                base,
+                src,
+                [f.path for f in manifest.files],
+                base_version=parent_version,
+                base_infos=self.manifest_of(base).files,
+                new_infos=manifest.files,
+                max_changed=MAX_CHANGED if sum(f.size for f in manifest.files) >= SMALL_VERSION else None,
+            )
+        if blob is not None:
             (tmp / DELTA).write_bytes(blob)
             manifest.storage = "delta"
             manifest.base_version = parent_version
@@ -130,8 +144,12 @@ class VersionStore:
             self._set_base(run_id, src, manifest)
         return Stored(dest, manifest, hashlib.sha256(body).hexdigest())
 
+    @staticmethod
+    def manifest_of(folder: Path) -> WeightsManifest:
+        return WeightsManifest.model_validate_json((folder / MANIFEST).read_text())
+
     def _base_version(self, base: Path) -> int:
-        return WeightsManifest.model_validate_json((base / MANIFEST).read_text()).version
+        return self.manifest_of(base).version
 
     def _set_base(self, run_id: str, src: Path, manifest: WeightsManifest) -> None:
         base = self.root / run_id / ".base"

@@ -373,6 +373,12 @@ class FileInfo(Message):
     path: str
     size: int
     sha256: str
+    chunk: int = 0
+    """Bytes per chunk of ``chunks`` (0: no chunk digests, e.g. a manifest written before
+    they existed; such a file verifies by its whole ``sha256``)."""
+    chunks: list[str] = Field(default_factory=list)
+    """sha256 of each ``chunk`` bytes of the file, in order (the last one shorter): a
+    receiver that patched some blocks of a verified base re-hashes only their chunks."""
 
 
 class WeightsManifest(Message):
