@@ -1,6 +1,7 @@
 """Weight distribution: hand-over to N engines holding a version, against the raw copy.
 
-    .venv/bin/python bench/weights.py [--receivers 1 4 16] [--mb 200] [--rounds 5]
+    .venv/bin/python bench/weights.py [--receivers 1 4 16] [--mb 200] [--rounds 5] [--moved 0.0625]
+        [--learner-elsewhere]
 
 One run, on a real nats-server and a real weights service process: the learner's
 hand-over (a ``PolicyCheckpoint`` on the bus) of a new version of a model of ``--mb``
@@ -8,7 +9,12 @@ MB, until every one of N light receivers (processes running ``WeightReceiver`` o
 ``kiln.weights.published`` events, as rollout workers do, without an engine) has it
 verified, for full versions read in place from the shared store and for delta versions
 rebuilt in each receiver's cache; next to the raw time to copy the same bytes (the
-physical floor here). Each of ``--rounds`` rounds times, in this order, the raw copy of
+physical floor here). The delta runs are two: every tensor moved (the first table's
+delta rows: the store falls back to full versions there, as a delta would rebuild slower,
+``kiln.shared.weights.delta.MAX_CHANGED``), and ``--moved`` of the tensors moved (a
+sparse update, rebuilt in place). The second table gives, for every delta run, how the
+receivers took the versions and how long each took to make one ready (its own clock,
+from the event to verified: the rebuild rate per receiver). Each of ``--rounds`` rounds times, in this order, the raw copy of
 the round's version, its sha256 and its hand-over (raw, transport, raw, transport...),
 so that both see the same machine: the raw copy alone ranged 0.05-0.96 s on this
 shared VM, and one sample of it once made a transport look 0.2x or 441x of it. Medians
@@ -54,6 +60,10 @@ from kiln.shared.db import Database, Run, upgrade
 from kiln.shared.weights.manifest import file_infos, sha256_files
 
 RUN = "bench-weights"
+LEARNER_RECORD = None
+"""Where the bench's learner records its digests (``file_infos``): None, this node's
+record, as a learner on the engines' node does; ``--learner-elsewhere``: nowhere, so the
+node's receivers hash each version once themselves."""
 
 
 @dataclass
@@ -68,20 +78,31 @@ class Round:
     """The learner's ``file_infos`` of it, before the hand-over (the learner's cost)."""
     handover: float
     """From publishing its ``PolicyCheckpoint`` until every receiver holds it, verified."""
+    fetch: list[float]
+    """Each receiver's own time from the event to the version verified."""
+    how: set[str]
+    """How the receivers took it (``in place``, ``full``, ``delta``)."""
 
 
 SHARDS = 4
 
 
-def model_folder(dest: Path, mb: int, seed: int, base: dict | None = None, change: float = 0.0) -> dict:
+def model_folder(
+    dest: Path, mb: int, seed: int, base: dict | None = None, change: float = 0.0, moved: float = 1.0
+) -> dict:
     """A checkpoint-like folder of ``mb`` MB of fp32 tensors (64 tensors in 4 shards, as
-    HF checkpoints are sharded); from ``base``, a small update of every tensor."""
+    HF checkpoints are sharded); from ``base``, a small update of ``moved`` of the
+    tensors (every one, or one in ``1 / moved``, a different set each version)."""
     g = torch.Generator().manual_seed(seed)
     n = mb * 1024 * 1024 // 4 // 64
     if base is None:
         tensors = {f"model.layers.{i}.w": torch.randn(n, generator=g) * 0.02 for i in range(64)}
     else:
-        tensors = {k: v + change * torch.randn(v.shape, generator=g) for k, v in base.items()}
+        every = max(1, round(1 / moved))
+        tensors = {
+            k: v + change * torch.randn(v.shape, generator=g) if (i + seed) % every == 0 else v
+            for i, (k, v) in enumerate(sorted(base.items()))
+        }
     dest.mkdir(parents=True)
     names = sorted(tensors)
     for i in range(SHARDS):
@@ -102,8 +123,11 @@ async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
         root = str(Path(m.path).parents[1])
         if root not in receivers:
             receivers[root] = WeightReceiver(FsSource(root), Path(cache) if cache else None)
+        t0 = time.perf_counter()
         await receivers[root].fetch(m)
-        await bus.nc.publish(f"bench.done.{m.version}", tag.encode())
+        how = receivers[root].last.get("how", "?")
+        report = {"tag": tag, "how": how, "seconds": time.perf_counter() - t0}
+        await bus.nc.publish(f"bench.done.{m.version}", json.dumps(report).encode())
 
     await bus.watch(c.weights_published_subject(run), c.WeightsPublished, on, deliver="new")
     await bus.nc.publish("bench.ready", tag.encode())
@@ -111,17 +135,26 @@ async def receiver_main(nats_url: str, cache: str, tag: str, run: str) -> None:
 
 
 async def distribution(
-    tmp: Path, nats: NatsServer, db_url: str, n: int, delta: bool, mb: int, rounds: int, notes: list[str]
+    tmp: Path,
+    nats: NatsServer,
+    db_url: str,
+    n: int,
+    delta: bool,
+    mb: int,
+    rounds: int,
+    notes: list[str],
+    moved: float = 1.0,
 ) -> list[Round]:
-    """``rounds`` timed rounds of one transport to ``n`` receivers (see the module's
-    docstring); what stopping the children needed goes to ``notes``."""
+    """``rounds`` timed rounds of one transport to ``n`` receivers, each version moving
+    ``moved`` of the tensors (see the module's docstring); what stopping the children
+    needed goes to ``notes``."""
     # One run per measurement: the database remembers which versions a run has stored.
-    run = f"{RUN}-{n}-{'delta' if delta else 'full'}"
+    run = f"{RUN}-{n}-{'delta' if delta else 'full'}-{'all' if moved >= 1 else f'1in{round(1 / moved)}'}"
     async with (db := Database(db_url)).session() as s:
         s.add(Run(id=run, name="bench"))
     await db.close()
-    store = tmp / f"store-{n}-{delta}"
-    exp = tmp / f"weights-{n}-{delta}.toml"
+    store = tmp / f"store-{n}-{delta}-{moved:g}"
+    exp = tmp / f"weights-{n}-{delta}-{moved:g}.toml"
     exp.write_text(
         render_toml(
             {
@@ -145,7 +178,7 @@ async def distribution(
 
     subs = [await bus.nc.subscribe("bench.ready", cb=on_ready), await bus.nc.subscribe("bench.done.*", cb=on_done)]
     weights = subprocess.Popen(
-        [sys.executable, "-m", "kiln.weights.main", "--config", str(exp), "--instance", f"w{n}{delta}"]
+        [sys.executable, "-m", "kiln.weights.main", "--config", str(exp), "--instance", f"w{n}{delta}{moved:g}"]
     )
     receivers = [
         subprocess.Popen(
@@ -154,7 +187,7 @@ async def distribution(
                 __file__,
                 "--receiver",
                 nats.url,
-                str(tmp / f"cache-{n}-{delta}-{i}") if delta else "",
+                str(tmp / f"cache-{n}-{delta}-{moved:g}-{i}") if delta else "",
                 f"r{i}",
                 run,
             ]
@@ -162,17 +195,16 @@ async def distribution(
         for i in range(n)
     ]
     children = {"weights service": weights, **{f"receiver r{i}": p for i, p in enumerate(receivers)}}
-    label = f"{n} receivers, {'delta' if delta else 'full'}"
+    label = f"{n} receivers, {'delta' if delta else 'full'}, {moved:g} moved"
 
-    async def hand_over(v: int, folder: Path, files) -> float:
+    async def hand_over(v: int, folder: Path, files) -> tuple[float, list[dict]]:
         t0 = time.perf_counter()
         ck = c.PolicyCheckpoint(
             run_id=run, version=v, step=v, parent_version=v - 1 if v else None, path=str(folder), files=files
         )
         await bus.publish(c.WEIGHTS_CHECKPOINT, ck, msg_id=f"{run}-{v}")
-        for _ in range(n):
-            await asyncio.wait_for(done.get(), 600)
-        return time.perf_counter() - t0
+        reports = [json.loads((await asyncio.wait_for(done.get(), 600))[1]) for _ in range(n)]
+        return time.perf_counter() - t0, reports
 
     timed = []
     try:
@@ -180,10 +212,10 @@ async def distribution(
             await asyncio.wait_for(ready.get(), 120)
         print(f"[bench] {label}: ready", file=sys.stderr, flush=True)
         tensors = model_folder(tmp / f"v0-{n}-{delta}", mb, 0)
-        await hand_over(0, tmp / f"v0-{n}-{delta}", file_infos(tmp / f"v0-{n}-{delta}"))
+        await hand_over(0, tmp / f"v0-{n}-{delta}", file_infos(tmp / f"v0-{n}-{delta}", LEARNER_RECORD))
         for v in range(1, rounds + 1):
             folder = tmp / f"v{v}-{n}-{delta}"
-            tensors = model_folder(folder, mb, v, base=tensors, change=1e-4)
+            tensors = model_folder(folder, mb, v, base=tensors, change=1e-4, moved=moved)
             t = time.perf_counter()
             shutil.copytree(folder, tmp / "copy")
             raw = time.perf_counter() - t
@@ -192,9 +224,10 @@ async def distribution(
             sha256_files(sorted(folder.glob("*.safetensors")))
             sha = time.perf_counter() - t
             t = time.perf_counter()
-            files = file_infos(folder)  # as the learner does once it has staged a version
+            files = file_infos(folder, LEARNER_RECORD)  # as the learner does once it has staged a version
             hashed = time.perf_counter() - t
-            timed.append(Round(raw, sha, hashed, await hand_over(v, folder, files)))
+            took, reports = await hand_over(v, folder, files)
+            timed.append(Round(raw, sha, hashed, took, [r["seconds"] for r in reports], {r["how"] for r in reports}))
             shutil.rmtree(tmp / f"v{v - 1}-{n}-{delta}", ignore_errors=True)  # the store has it
             print(f"[bench] {label}: round {v}/{rounds}: {timed[-1]}", file=sys.stderr, flush=True)
         return timed
@@ -222,6 +255,21 @@ def distribution_row(kind: str, n: int, rs: list[Round]) -> str:
         f"| {kind} | {n} | {len(rs)} | {statistics.median(r.hashed for r in rs):.3f} | {handover} | {handover_spread} "
         f"| {statistics.median(r.handover for r in rs) / n:.3f} | {raw} | {raw_spread} "
         f"| {statistics.median(r.sha256 for r in rs):.3f} | {ratio:.1f}x | {ratios} |"
+    )
+
+
+def rebuild_row(moved: float, mb: int, n: int, rs: list[Round]) -> str:
+    """A delta run: how the receivers took its versions, each one's time to make a
+    version ready (median and min-max over every receiver of every round), the rate that
+    gives per receiver, and the hand-over against the raw copy."""
+    fetch = [t for r in rs for t in r.fetch]
+    med, spread = median_and_range(fetch, 3)
+    how = ", ".join(sorted(set().union(*(r.how for r in rs))))
+    handover, raw = statistics.median(r.handover for r in rs), statistics.median(r.raw_copy for r in rs)
+    return (
+        f"| {'every tensor' if moved >= 1 else f'1 in {round(1 / moved)} tensors'} | {n} | {len(rs)} | {how} "
+        f"| {med} | {spread} | {mb * 1e6 / 2**30 / statistics.median(fetch):.2f} | {handover:.3f} | {raw:.3f} "
+        f"| {handover / raw:.1f}x |"
     )
 
 
@@ -307,20 +355,25 @@ def run_deltas(run_dir: Path, every: int) -> list[str]:
     return rows
 
 
-async def main(counts: list[int], mb: int, rounds: int) -> None:
+async def main(counts: list[int], mb: int, rounds: int, moved: float) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-weights-"))
     nats = NatsServer(tmp / "nats").start()
     db_url = f"sqlite:///{tmp / 'db.sqlite'}"
     upgrade(db_url)
     rows: list[str] = []
+    rebuilt: list[str] = []
     notes: list[str] = []
     try:
         for delta in (False, True):
             for n in counts:
                 kind = "delta (rebuilt per receiver)" if delta else "full (shared store, in place)"
-                rows.append(
-                    distribution_row(kind, n, await distribution(tmp, nats, db_url, n, delta, mb, rounds, notes))
-                )
+                rs = await distribution(tmp, nats, db_url, n, delta, mb, rounds, notes)
+                rows.append(distribution_row(kind, n, rs))
+                if delta:
+                    rebuilt.append(rebuild_row(1.0, mb, n, rs))
+        for n in counts:
+            rs = await distribution(tmp, nats, db_url, n, True, mb, rounds, notes, moved=moved)
+            rebuilt.append(rebuild_row(moved, mb, n, rs))
     finally:
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -331,6 +384,13 @@ async def main(counts: list[int], mb: int, rounds: int) -> None:
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(rows))
+        print(
+            f"\n| delta run ({mb} MB version): tensors moved per version | receivers | rounds | receivers took it as "
+            "| per receiver, event -> verified (s, median) | min-max (s) | GB/s per receiver "
+            "| hand-over -> all hold (s, median) | raw copy (s, median) | all hold / raw copy |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(rebuilt))
         for line in notes:
             print(f"\nstopping: {line}")
         sys.stdout.flush()
@@ -347,6 +407,14 @@ if __name__ == "__main__":
         ap.add_argument("--mb", type=int, default=200)
         ap.add_argument("--rounds", type=int, default=5, help="timed versions per transport and receiver count")
         ap.add_argument(
+            "--learner-elsewhere",
+            action="store_true",
+            help="the learner's digests are not recorded on this node (a learner on another machine)",
+        )
+        ap.add_argument(
+            "--moved", type=float, default=1 / 16, help="fraction of the tensors the sparse delta run moves"
+        )
+        ap.add_argument(
             "--deltas-of-run",
             type=Path,
             help="only: delta bytes between consecutive versions of this finished run's folder",
@@ -358,4 +426,8 @@ if __name__ == "__main__":
             print("| versions | dtype | full bytes | delta bytes | delta / full |\n|---|---|---|---|---|")
             print("\n".join(run_deltas(a.deltas_of_run, a.every)))
         else:
-            asyncio.run(main(a.receivers, a.mb, a.rounds))
+            if a.learner_elsewhere:
+                from kiln.shared.weights.verified import VerifiedFiles
+
+                LEARNER_RECORD = VerifiedFiles(None)
+            asyncio.run(main(a.receivers, a.mb, a.rounds, a.moved))
