@@ -20,6 +20,7 @@ from kiln.shared.model import MoEConfig, MoEForCausalLM, save_checkpoint
 from kiln.shared.model.tokenizer import train_tokenizer
 from kiln.shared.weights.manifest import IntegrityError
 from kiln.shared.weights.transport.files import FsSource, HttpSource, WeightReceiver
+from kiln.shared.weights.verified import VerifiedFiles
 from kiln.weights.store import VersionStore
 
 CFG = MoEConfig(
@@ -71,8 +72,9 @@ async def test_round_trip_is_bit_exact(tmp_path, delta):
         store.put(s, run_id="r", version=v, step=v, parent_version=v - 1 if v else None) for v, s in enumerate(staged)
     ]
     assert [s.manifest.storage for s in stored] == ["full"] + ["delta" if delta else "full"] * 3
-    cold = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-cold")
-    warm = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-warm")
+    # two nodes (no shared record): the cold one rebuilds the chain itself
+    cold = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-cold", verified=VerifiedFiles(None))
+    warm = WeightReceiver(FsSource(tmp_path / "store"), tmp_path / "cache-warm", verified=VerifiedFiles(None))
     for v, s in enumerate(stored):
         got = await warm.fetch(published(s, v=v))
         assert same_files(got, staged[v]), v

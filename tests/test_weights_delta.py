@@ -154,3 +154,22 @@ async def test_a_full_version_in_place_is_hashed_once_per_node(tmp_path):
     with pytest.raises(IntegrityError):
         await receivers[3].fetch(published(stored[1], 1))
     assert receivers[3].verified.hashed == 1
+
+
+async def test_receivers_with_caches_on_one_node_build_a_version_once_and_link_it(tmp_path):
+    staged = versions(tmp_path, [[3], list(range(N))])  # a delta, then a version stored full
+    stored = store_all(tmp_path, staged)
+    assert [s.manifest.storage for s in stored] == ["full", "delta", "full"]
+    node = tmp_path / "node"
+    a, b = (
+        WeightReceiver(FsSource(tmp_path / "store"), tmp_path / f"cache-{x}", verified=VerifiedFiles(node))
+        for x in "ab"
+    )
+    for v, s in enumerate(stored):
+        got_a = await a.fetch(published(s, v))
+        got_b = await b.fetch(published(s, v))
+        assert (a.last["how"], b.last["how"]) == (s.manifest.storage, "linked"), v
+        assert same(got_b, staged[v])
+        for fi in s.manifest.files:
+            assert (got_a / fi.path).stat().st_ino == (got_b / fi.path).stat().st_ino
+    assert b.hashed_bytes == 0

@@ -11,6 +11,10 @@ on the record's lock (``flock``) instead of hashing too. The learner's own hash 
 it staged (``manifest.file_infos``) is recorded the same way, so on the learner's node
 the store's hard links of those files need no receiver to hash them at all.
 
+``NodeBuild`` does the same for versions a receiver keeps in its own cache (a delta
+rebuilt, a full version copied): one receiver of the node builds and verifies it, the
+others hard-link its files.
+
 Invariants:
 - a record holds a digest that was computed from the file's bytes while the file had
   the recorded stamp (the stamp is taken before hashing and checked again after; a file
@@ -35,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -162,3 +167,68 @@ class VerifiedFiles:
                     rec.unlink()
             except OSError:
                 pass
+
+
+class NodeBuild:
+    """One version made ready once per node: the receivers of a node that each keep a
+    cache take turns on the version's lock (``acquire``); the first builds it (copies or
+    rebuilds it, verifies it) and ``publish``es its folder with the identity of each file;
+    the others hard-link those files into their own caches, and take them only while
+    every link is the very inode published, at the size and mtime it had (its files are
+    never written again: the receivers' invariant).
+
+    Invariant: a published folder was verified against the manifest named by ``key``
+    before it was published (``publish`` is called only after the rename into place)."""
+
+    def __init__(self, verified: VerifiedFiles, key: str):
+        self.path = verified.root / f"build-{key}" if verified.root is not None else None
+        self._lock = None
+        self.found: dict | None = None
+        """The published build: ``folder`` and ``files`` (path -> [dev, ino, size, mtime_ns])."""
+
+    def acquire(self) -> None:
+        if self.path is None:
+            return
+        self._lock = open(self.path, "a+")  # noqa: SIM115 (held until release)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._lock.seek(0)
+        try:
+            self.found = json.loads(self._lock.read() or "null")
+        except ValueError:
+            self.found = None
+
+    def link_into(self, tmp: Path) -> bool:
+        """Hard-link the published build's files under ``tmp``; False (``tmp`` removed)
+        when there is none or it changed."""
+        if not self.found:
+            return False
+        src = Path(self.found["folder"])
+        try:
+            for rel, ident in self.found["files"].items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.link(src / rel, tmp / rel)
+                st = os.stat(tmp / rel)
+                if [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns] != ident:
+                    raise OSError(f"{src / rel} is not the file that was published")
+        except OSError as e:
+            log.info("not linking the build at %s (%s): building it here", src, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        return True
+
+    def publish(self, folder: Path, rels: list[str]) -> None:
+        if self._lock is None:
+            return
+        files = {}
+        for rel in rels:
+            st = os.stat(folder / rel)
+            files[rel] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(json.dumps({"folder": str(folder), "files": files}))
+        self._lock.flush()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None

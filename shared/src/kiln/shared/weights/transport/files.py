@@ -47,7 +47,7 @@ from kiln.shared.contracts import WeightsManifest, WeightsPublished
 from kiln.shared.weights.delta import clone_file, patch_delta
 from kiln.shared.weights.manifest import MANIFEST, IntegrityError, verify, verify_patched, verify_sizes
 from kiln.shared.weights.transport.base import WeightFeed
-from kiln.shared.weights.verified import VerifiedFiles, default_root
+from kiln.shared.weights.verified import NodeBuild, VerifiedFiles, default_root
 
 log = logging.getLogger("kiln.weights.receiver")
 
@@ -165,32 +165,47 @@ class WeightReceiver:
         while path[-1].storage == "delta" and not (use_local and self._have(run, path[-1].base_version)):
             path.append(await self.source.manifest(run, path[-1].base_version))
         for m in reversed(path):
-            dest = self._local(run, m.version)
             if use_local and self._have(run, m.version):
                 continue
-            t0 = time.perf_counter()
-            shutil.rmtree(dest, ignore_errors=True)
-            tmp = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(tmp, ignore_errors=True)
-            if m.storage == "full":
-                await self._fetch_full(m, tmp)
-            else:
-                blob_path = tmp / "delta.kd"
-                await self.source.download(run, m.version, m.delta.path, blob_path)
-                blob = blob_path.read_bytes()
-                self.fetched_bytes += len(blob)
-                if hashlib.sha256(blob).hexdigest() != m.delta.sha256:
-                    raise IntegrityError(f"delta of version {m.version} does not match its sha256")
-                blob_path.unlink()
-                self.hashed_bytes += await asyncio.to_thread(
-                    self._rebuild, blob, self._local(run, m.base_version), tmp, m
-                )
-            (tmp / MANIFEST).write_text(m.model_dump_json(by_alias=True))
-            self.last = {"version": m.version, "how": m.storage, "seconds": time.perf_counter() - t0}
-            (tmp / ".verified").touch()
-            tmp.rename(dest)
+            build = NodeBuild(self.verified, hashlib.sha256(m.model_dump_json().encode()).hexdigest()[:32])
+            await asyncio.to_thread(build.acquire)
+            try:
+                await self._make(m, build, use_local)
+            finally:
+                build.release()
         self._prune(run, target.version)
         return self._local(run, target.version)
+
+    async def _make(self, m: WeightsManifest, build: NodeBuild, use_local: bool) -> None:
+        """Version ``m`` into this cache, verified: linked from the node's build of it when
+        there is one (not when refetching after a failure), else built here and published."""
+        run = m.run_id
+        t0 = time.perf_counter()
+        dest = self._local(run, m.version)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        how = m.storage
+        if use_local and build.link_into(tmp):
+            how = "linked"
+            await asyncio.to_thread(verify_sizes, tmp, m)
+        elif m.storage == "full":
+            await self._fetch_full(m, tmp)
+        else:
+            blob_path = tmp / "delta.kd"
+            await self.source.download(run, m.version, m.delta.path, blob_path)
+            blob = blob_path.read_bytes()
+            self.fetched_bytes += len(blob)
+            if hashlib.sha256(blob).hexdigest() != m.delta.sha256:
+                raise IntegrityError(f"delta of version {m.version} does not match its sha256")
+            blob_path.unlink()
+            self.hashed_bytes += await asyncio.to_thread(self._rebuild, blob, self._local(run, m.base_version), tmp, m)
+        (tmp / MANIFEST).write_text(m.model_dump_json(by_alias=True))
+        self.last = {"version": m.version, "how": how, "seconds": time.perf_counter() - t0}
+        (tmp / ".verified").touch()
+        tmp.rename(dest)
+        if how != "linked":
+            build.publish(dest, [fi.path for fi in m.files])
 
     async def _fetch_full(self, m: WeightsManifest, tmp: Path) -> None:
         """A full version into ``tmp``, verified. From a shared store, each file's digest is
