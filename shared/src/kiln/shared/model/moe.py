@@ -28,6 +28,13 @@ extended by several tokens at once.
 Rollout and learner share this module, and ``token_logprobs`` is the single definition
 of a token's logprob under the policy: rollout records it while sampling, the learner
 recomputes it for the importance ratio.
+
+The learner's logprobs (``sequence_logprobs``: ``forward(..., logprobs_of=targets)``)
+never hold a (B, T, V) logits tensor: ``lm_head``, ``log_softmax`` and the gather run
+``logprob_chunk`` tokens at a time, each chunk under activation checkpointing, so the
+forward keeps only the final hidden states and the backward rebuilds one chunk's logits
+at a time (memory linear in tokens, a vocabulary's worth per chunk, not per token); the
+values are ``token_logprobs`` of the same logits rows.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ from torch import nn
 # Declared torch-free beside the model (the settings import them); re-exported here.
 from kiln.shared.model.config import ARCHITECTURES, FAMILIES, MoEArchitecture, MoEConfig  # noqa: F401
 from kiln.shared.model.experts import GroupedExperts
+
+LOGPROB_CHUNK = 1024
+"""Tokens per chunk of the chunked logprobs: a multiple of 32 (MXFP8's block along the
+token dimension, should ``lm_head`` be quantized); 1024 x a 151k vocabulary is 0.6 GB
+of fp32 logits per copy."""
 
 
 class RMSNorm(nn.Module):
@@ -200,6 +212,8 @@ class MoEForCausalLM(nn.Module):
         self.activation_checkpointing = False
         """Recompute each decoder layer's activations in the backward pass instead of
         keeping them (training only): memory of one layer instead of all, for ~1/3 more compute."""
+        self.logprob_chunk = LOGPROB_CHUNK
+        """Tokens whose logits ``forward(..., logprobs_of=...)`` builds at once."""
 
     def init_weights(self, seed: int, std: float = 0.02) -> MoEForCausalLM:
         g = torch.Generator().manual_seed(seed)
@@ -218,9 +232,15 @@ class MoEForCausalLM(nn.Module):
         cache: list[list] | None = None,
         start_pos: int = 0,
         attention_mask: torch.Tensor | None = None,
+        logprobs_of: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits (B, T, V) and each layer's router logits. ``cache`` (one list per layer)
         is filled/extended in place for incremental decoding from ``start_pos``.
+
+        ``logprobs_of`` (B, T) token ids: instead of the logits, the (B, T) logprob of
+        ``logprobs_of[b, t]`` under ``softmax(logits[b, t] / temperature)``, computed
+        ``logprob_chunk`` tokens at a time (the module docstring).
 
         ``attention_mask`` (B, T): 1 = real token. Right padding (every row's real tokens
         first, as the learner and SFT build their batches) takes the attention kernel's
@@ -247,7 +267,30 @@ class MoEForCausalLM(nn.Module):
             else:
                 x, r = layer(x, cos, sin, cache[i] if cache is not None else None, mask)
             routers.append(r)
-        return self.lm_head(self.norm(x)), routers
+        if logprobs_of is None:
+            return self.lm_head(self.norm(x)), routers
+        return self._chunked_logprobs(self.norm(x), logprobs_of, temperature), routers
+
+    def _chunk_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        return token_logprobs(self.lm_head(h), targets, temperature)
+
+    def _chunked_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        b, t, d = h.shape
+        flat, goal = h.reshape(b * t, d), targets.reshape(b * t)
+        step = max(1, self.logprob_chunk)
+        grad = torch.is_grad_enabled()
+        parts = []
+        for lo in range(0, b * t, step):
+            hc, tc = flat[lo : lo + step], goal[lo : lo + step]
+            if grad:  # keep only ``hc``: the backward rebuilds this chunk's logits
+                parts.append(
+                    torch.utils.checkpoint.checkpoint(
+                        self._chunk_logprobs, hc, tc, temperature, use_reentrant=False, preserve_rng_state=False
+                    )
+                )
+            else:
+                parts.append(self._chunk_logprobs(hc, tc, temperature))
+        return torch.cat(parts).reshape(b, t)
 
     def routing_sums(self, router_logits: list[torch.Tensor], token_mask: torch.Tensor | None = None):
         """The statistics of the load-balancing loss as sums over the (unmasked) tokens:
@@ -292,7 +335,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def sequence_logprobs(
     model: MoEForCausalLM, ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logprob of every token given its prefix: (B, T) with position 0 set to 0."""
-    logits, routers = model(ids, attention_mask=attention_mask)
-    lp = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
-    return torch.cat((torch.zeros_like(lp[:, :1]), lp), dim=1), routers
+    """Logprob of every token given its prefix: (B, T) with position 0 set to 0. The
+    logits are built a chunk of tokens at a time (``MoEForCausalLM.forward``'s
+    ``logprobs_of``), every position's, so that chunks of all rows' ``B x T`` positions
+    stay multiples of 32 when ``T`` is; the last position's (it predicts nothing) is
+    dropped."""
+    targets = torch.cat((ids[:, 1:], ids[:, :1]), dim=1)  # the last column: a placeholder
+    lp, routers = model(ids, attention_mask=attention_mask, logprobs_of=targets, temperature=temperature)
+    return torch.cat((torch.zeros_like(lp[:, :1]), lp[:, :-1]), dim=1), routers
