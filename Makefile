@@ -10,7 +10,9 @@ run: setup
 test: setup lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
-# Also the slow tier (marked `slow`); GPU tests skip themselves without a GPU.
+# Also the slow tier (marked `slow`), which holds the compose tier (marked `compose`: a real
+# `docker compose up` of the smoke preset, tests/test_compose_live.py); GPU tests skip
+# themselves without a GPU, the compose tier without Docker.
 test-all: setup lint
 	.venv/bin/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
