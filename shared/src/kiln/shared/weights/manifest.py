@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -111,10 +112,13 @@ def file_infos(folder: Path, known=None) -> list[FileInfo]:
     hands over). The digests go to ``known`` (default: this node's ``VerifiedFiles``), so
     that receivers on this node reading the same inodes (the store links them) need not
     hash them again."""
-    from kiln.shared.weights.verified import VerifiedFiles, default_root
+    from kiln.shared.weights.verified import SETTLE_NS, VerifiedFiles, default_root
 
     known = known if known is not None else VerifiedFiles(default_root())
     paths = _staged(folder)
+    if known.root is not None and paths:  # one wait for the folder, not one per file per thread
+        newest = max(p.stat().st_mtime_ns for p in paths)
+        time.sleep(max(0, newest + SETTLE_NS - time.time_ns()) / 1e9)
 
     def one(p: Path):
         return known.hash_and_record(p, sha256_chunked)
