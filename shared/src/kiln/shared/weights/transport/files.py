@@ -120,7 +120,10 @@ class WeightReceiver:
         self.source = source
         self.cache = Path(cache_dir) if cache_dir else None
         self.keep = keep
-        self.verified = verified if verified is not None else VerifiedFiles(default_root())
+        if verified is None:
+            verified = VerifiedFiles(default_root())
+            verified.prune()  # records of long-gone inodes, once per receiver made
+        self.verified = verified
         """This node's record of hashed files (shared by its receivers)."""
         self.fetched_bytes = 0
         """Bytes this receiver downloaded (deltas count as their compressed size)."""
