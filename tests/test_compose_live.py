@@ -9,7 +9,8 @@ reason, every version published); with ``--scale rollout=3 --scale reward=2`` ev
 replica takes work (trajectories per rollout worker in the database, scored per reward
 replica in Prometheus); killed reward, rollout and nats containers come back by their
 restart policies and the run still finishes; ``down`` then ``up`` of the same run id
-resumes the learner from its checkpoint. Skipped, with the reason,
+resumes the learner from its checkpoint; with docker-compose.cluster.yml (three NATS
+nodes) a killed node costs the run nothing. Skipped, with the reason,
 where there is no Docker and the script cannot install it (not root, or no apt-get).
 The project is taken down with its volumes afterwards (``down -v``): each test run starts
 from empty volumes.
@@ -68,15 +69,24 @@ def compose_env():
     _compose("down", "-v", "--remove-orphans", env=env, timeout=300, check=False)
 
 
-def _run_env(base: dict, tmp_path: Path, name: str, learner: dict[str, str] | None = None) -> dict:
-    """``base`` for a new run id, with extra learner settings in a compose file over the two."""
+CLUSTER_FILES = ("docker-compose.cluster.yml", "deploy/docker/compose.offline.cluster.yml")
+
+
+def _run_env(
+    base: dict, tmp_path: Path, name: str, learner: dict[str, str] | None = None, files: tuple[str, ...] = ()
+) -> dict:
+    """``base`` for a new run id, with more compose ``files`` and extra learner settings
+    (in a compose file of their own) over the two."""
     env = dict(base, KILN_RUN_ID=f"pytest-{name}-{int(time.time())}", KILN_NO_BUILD="1")
+    extra = list(files)
     if learner:
-        extra = tmp_path / f"{name}.yml"
+        path = tmp_path / f"{name}.yml"
         lines = ["services:", "  learner:", "    environment:"]
         lines += [f'      {k}: "{v}"' for k, v in learner.items()]
-        extra.write_text("\n".join(lines) + "\n")
-        env["KILN_COMPOSE_EXTRA"] = str(extra)
+        path.write_text("\n".join(lines) + "\n")
+        extra.append(str(path))
+    if extra:
+        env["KILN_COMPOSE_EXTRA"] = " ".join(extra)
     return env
 
 
@@ -228,3 +238,21 @@ def test_down_then_up_resumes_the_run(compose_env, tmp_path):
     assert restored, "the learner did not resume from its checkpoint"
     _assert_finished(env, steps)
     print(restored[0][-160:])
+
+
+@pytest.mark.timeout(1800)
+def test_nats_cluster_survives_a_killed_node(compose_env, tmp_path):
+    """docker-compose.cluster.yml (three NATS nodes, every stream with three replicas): a
+    node killed mid-run comes back, and the run finishes meanwhile."""
+    steps = 10
+    env = _run_env(compose_env, tmp_path, "cluster", {"KILN_ALGORITHM__STEPS": str(steps)}, CLUSTER_FILES)
+    try:
+        _compose("up", "-d", "--no-build", env=env, timeout=600)
+        _wait_version(env, 3)
+        _crash(env, "nats-2")
+        rc = _learner_exit(env)
+        assert rc == 0, f"the learner exited {rc}\n{_logs(env)}"
+        _assert_finished(env, steps)
+        assert _restart_count(env, "nats-2") >= 1, "nats-2 was not restarted by its policy"
+    finally:  # the cluster's extra nodes and volumes belong to this file set
+        _compose("down", "-v", "--remove-orphans", env=env, timeout=300, check=False)
