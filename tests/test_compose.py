@@ -452,3 +452,17 @@ def test_every_service_restarts_after_a_crash(compose):
         assert policy in ("unless-stopped", "always", "on-failure"), (
             f"{folder} has restart {policy!r}: a crash would end the run"
         )
+
+
+def _bytes(size: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).strip().lower())
+    assert m, f"unreadable size {size!r}"
+    return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
+
+
+def test_rollout_services_have_room_in_dev_shm(compose):
+    """vLLM's engine puts a 160 MiB ring buffer in /dev/shm (measured, tiny preset): with
+    Docker's default 64 MB it does not start."""
+    for name in ("rollout", "rollout-eval"):
+        size = _bytes(_service(compose, name).get("shm_size", "64mb"))
+        assert size >= 512 << 20, f"{name}: shm_size {size >> 20} MiB; vLLM needs more than 160 MiB of /dev/shm"
