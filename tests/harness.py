@@ -213,6 +213,24 @@ async def wait_for(predicate, timeout: float, interval: float = 0.1, what: str =
         await asyncio.sleep(interval)
 
 
+async def request_once_served(bus, subject: str, msg, reply_type, timeout: float = 20.0):
+    """``bus.request`` to a responder another connection has just subscribed and flushed.
+    Under load the full suite has met ``no_responders`` on such a first request (twice on
+    2026-12-07/08, cause not found: the subscription was flushed before): the test waits
+    for the state it needs (a responder that answers), any other error still fails."""
+    from kiln.shared.bus import RemoteError
+
+    async def answered():
+        try:
+            return await bus.request(subject, msg, reply_type)
+        except RemoteError as e:
+            if e.code != "no_responders":
+                raise
+            return None
+
+    return await wait_for(answered, timeout, 0.1, f"an answer on {subject}")
+
+
 async def wait_run_ended(platform: InProcessPlatform, db, run_id: str, timeout: float) -> None:
     """Until the run's row leaves ``running``, failing at once if a service has crashed."""
     from kiln.shared.db import Run

@@ -6,6 +6,7 @@ reach env-pool's subjects; what each service does need still works."""
 from __future__ import annotations
 
 import pytest
+from harness import request_once_served
 
 from kiln.ops.embedded import NatsServer
 from kiln.shared import contracts as c
@@ -83,7 +84,7 @@ async def test_each_service_publishes_only_what_it_may(server):
                 return c.SandboxCreated(sandbox=c.SandboxRef(node_id="n", sandbox_id="s"), workspace="/w")
 
             await envpool.serve(c.ENVPOOL_CREATE, c.SandboxCreate, created, queue=c.ENVPOOL_QUEUE)
-            ok = await rollout.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="t"), c.SandboxCreated, timeout=5)
+            ok = await request_once_served(rollout, c.ENVPOOL_CREATE, c.SandboxCreate(task_id="t"), c.SandboxCreated)
             assert ok.sandbox.sandbox_id == "s"
             with pytest.raises(RemoteError):
                 await learner.request(c.ENVPOOL_CREATE, c.SandboxCreate(task_id="t"), c.SandboxCreated, timeout=2)

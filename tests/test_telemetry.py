@@ -55,7 +55,7 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus, ca
     import asyncio
 
     import httpx
-    from harness import wait_for
+    from harness import request_once_served, wait_for
 
     from kiln.shared import contracts as c
     from kiln.shared.config import NatsSettings, ServiceConfig
@@ -78,7 +78,7 @@ async def test_metrics_outlive_finished_work_for_the_linger(nats_server, bus, ca
     await asyncio.wait_for(body_done.wait(), 20)
     # Past the point where the endpoint used to close: the service is in its linger.
     await wait_for(lambda: any("metrics stay up" in r.getMessage() for r in caplog.records), 20, 0.05, "the linger")
-    h = await bus.request(f"{c.HEALTH_PREFIX}.lingerer", c.HealthProbe(), c.HealthReply)
+    h = await request_once_served(bus, f"{c.HEALTH_PREFIX}.lingerer", c.HealthProbe(), c.HealthReply)
     async with httpx.AsyncClient() as http:
         r = await http.get(h.detail["metrics_url"])
     assert r.status_code == 200 and re.search(r"^kiln_test_work_done_total\{.*\} 3.0$", r.text, re.M)
