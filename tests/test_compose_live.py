@@ -201,6 +201,14 @@ def _crash(env: dict, service: str) -> None:
     os.kill(int(pid.stdout.strip()), 9)
 
 
+def _wait_restarted(env: dict, service: str, before: int, timeout: float = 120) -> None:
+    """Until the restart policy has brought ``service`` back (its restart count rose)."""
+    deadline = time.monotonic() + timeout
+    while _restart_count(env, service) <= before:
+        assert time.monotonic() < deadline, f"{service} was not restarted within {timeout:.0f} s\n{_logs(env)}"
+        time.sleep(0.5)
+
+
 @pytest.mark.timeout(1800)
 def test_killed_containers_come_back_and_the_run_finishes(compose_env, tmp_path):
     steps = 10
@@ -208,8 +216,9 @@ def test_killed_containers_come_back_and_the_run_finishes(compose_env, tmp_path)
     _compose("up", "-d", "--no-build", env=env, timeout=600)
     for service, at in (("reward", 1), ("rollout", 3), ("nats", 5)):
         _wait_version(env, at)
+        before = _restart_count(env, service)
         _crash(env, service)
-        time.sleep(3)
+        _wait_restarted(env, service, before)
     rc = _learner_exit(env)
     assert rc == 0, f"the learner exited {rc}\n{_logs(env)}"
     _assert_finished(env, steps)
